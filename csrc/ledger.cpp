@@ -1,0 +1,195 @@
+#include "ledger.h"
+
+#include <utility>
+
+namespace torch_xla_donate {
+
+const char* VerdictName(Verdict v) {
+  switch (v) {
+    case Verdict::kMarked: return "marked";
+    case Verdict::kInFlight: return "in_flight";
+    case Verdict::kConsumed: return "consumed";
+    case Verdict::kUnused: return "unused";
+    case Verdict::kUpdatedInPlace: return "updated_in_place";
+    case Verdict::kCancelled: return "cancelled";
+    case Verdict::kStepFailed: return "step_failed";
+    case Verdict::kDisabled: return "disabled";
+  }
+  return "unknown";
+}
+
+std::string Record::ShapeString() const {
+  std::string s = dtype + "[";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (i) s += ",";
+    s += std::to_string(shape[i]);
+  }
+  return s + "]";
+}
+
+RecordPtr Ledger::Mark(py::object tensor, std::string file, int line,
+                       std::vector<int64_t> shape, std::string dtype,
+                       int64_t nbytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  PyObject* key = tensor.ptr();
+  if (index_.count(key)) return nullptr;
+  auto record = std::make_shared<Record>();
+  record->id = next_id_++;
+  record->file = std::move(file);
+  record->line = line;
+  record->shape = std::move(shape);
+  record->dtype = std::move(dtype);
+  record->nbytes = nbytes;
+  index_.emplace(key, marks_.size());
+  marks_.push_back(Mark_{std::move(tensor), record});
+  return record;
+}
+
+RecordPtr Ledger::Unmark(const py::handle& tensor) {
+  Mark_ removed;  // destroyed after the lock is released (see below)
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = index_.find(tensor.ptr());
+    if (it == index_.end()) return nullptr;
+    size_t slot = it->second;
+    index_.erase(it);
+    removed = std::move(marks_[slot]);
+    // Keep marking order for the rest: shift the tail down by one.  Unmarking
+    // is rare, marking and committing are the hot paths.
+    marks_.erase(marks_.begin() + static_cast<long>(slot));
+    for (size_t i = slot; i < marks_.size(); ++i) index_[marks_[i].tensor.ptr()] = i;
+    removed.record->verdict = Verdict::kCancelled;
+  }
+  // Dropping the last reference to a tensor can run arbitrary Python code
+  // (weakref callbacks); that must never happen while mu_ is held.
+  return removed.record;
+}
+
+bool Ledger::IsMarked(const py::handle& tensor) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return index_.count(tensor.ptr()) != 0;
+}
+
+std::vector<py::object> Ledger::MarkedTensors() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<py::object> out;
+  out.reserve(marks_.size());
+  for (const auto& m : marks_) out.push_back(m.tensor);
+  return out;
+}
+
+size_t Ledger::MarkedCount() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return marks_.size();
+}
+
+int64_t Ledger::BeginStep(std::vector<py::object>* tensors,
+                          std::vector<RecordPtr>* records) {
+  std::vector<Mark_> marks;
+  int64_t step;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    step = ++step_;
+    marks.swap(marks_);
+    index_.clear();
+    StepStats stats;
+    stats.step = step;
+    for (auto& m : marks) {
+      m.record->step = step;
+      m.record->verdict = Verdict::kInFlight;
+      stats.donated += 1;
+      stats.donated_bytes += m.record->nbytes;
+    }
+    stats.pending = stats.donated;
+    totals_.donated += stats.donated;
+    totals_.donated_bytes += stats.donated_bytes;
+    if (stats.donated) {
+      history_.push_back(std::move(stats));
+      while (history_.size() > kHistorySteps) history_.pop_front();
+    }
+  }
+  tensors->reserve(marks.size());
+  records->reserve(marks.size());
+  for (auto& m : marks) {
+    tensors->push_back(std::move(m.tensor));
+    records->push_back(std::move(m.record));
+  }
+  return step;
+}
+
+StepStats* Ledger::FindStatsLocked(int64_t step) {
+  for (auto it = history_.rbegin(); it != history_.rend(); ++it)
+    if (it->step == step) return &*it;
+  return nullptr;  // older than the history window: only totals count it
+}
+
+void Ledger::Settle(const RecordPtr& record, Verdict verdict) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (record->verdict != Verdict::kInFlight) return;  // settled once only
+  record->verdict = verdict;
+  StepStats* stats = FindStatsLocked(record->step);
+  for (StepStats* s : {stats, &totals_}) {
+    if (!s) continue;
+    switch (verdict) {
+      case Verdict::kConsumed:
+        s->consumed += 1;
+        s->consumed_bytes += record->nbytes;
+        break;
+      case Verdict::kUnused:
+        s->unused += 1;
+        s->unused_bytes += record->nbytes;
+        if (s != &totals_) s->unused_shapes.push_back(record->ShapeString());
+        break;
+      case Verdict::kUpdatedInPlace: s->updated_in_place += 1; break;
+      case Verdict::kStepFailed:
+      case Verdict::kDisabled: s->failed += 1; break;
+      default: break;
+    }
+  }
+  if (stats && stats->pending > 0) stats->pending -= 1;
+}
+
+int64_t Ledger::current_step() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return step_;
+}
+
+bool Ledger::Stats(int64_t step, StepStats* out) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (history_.empty()) return false;
+  if (step < 0) {
+    *out = history_.back();
+    return true;
+  }
+  for (const auto& s : history_)
+    if (s.step == step) {
+      *out = s;
+      return true;
+    }
+  return false;
+}
+
+StepStats Ledger::Totals() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return totals_;
+}
+
+void Ledger::Reset() {
+  std::vector<Mark_> dropped;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    dropped.swap(marks_);
+    index_.clear();
+    history_.clear();
+    totals_ = StepStats();
+  }
+}
+
+Ledger& GlobalLedger() {
+  // Leaked on purpose: it holds Python objects, and destroying them after
+  // the interpreter has shut down would crash at exit.
+  static Ledger* ledger = new Ledger();
+  return *ledger;
+}
+
+}  // namespace torch_xla_donate

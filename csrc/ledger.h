@@ -1,0 +1,121 @@
+// The donation ledger: the single source of truth for which tensors are
+// marked for the next step barrier, what each step donated, and what became
+// of every donation.
+//
+// The ledger is deliberately ignorant of torch_xla: the Python step hook asks
+// torch_xla the questions (is this tensor pending? was its buffer deleted?)
+// and tells the ledger the answers.  Keeping the state here, behind one mutex,
+// is what makes marks from several threads and concurrent queries safe.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace torch_xla_donate {
+
+namespace py = pybind11;
+
+// What became of one donation.  Only kConsumed poisons the tensor.
+enum class Verdict : int {
+  kMarked = 0,       // waiting for the next step barrier
+  kInFlight,         // the step ran; not yet known whether XLA took the buffer
+  kConsumed,         // an output of the step now lives in the buffer
+  kUnused,           // no output took the buffer; the tensor kept its value
+  kUpdatedInPlace,   // updated in place after marking: it is an output itself
+  kCancelled,        // undonate() before the step
+  kStepFailed,       // the step raised; the tensor kept its value
+  kDisabled,         // donation is switched off; the mark was ignored
+};
+
+const char* VerdictName(Verdict v);
+
+// Everything the user may want to know about one donation, also after the
+// tensor is gone.  Shared by the ledger's history and the poisoned tensor.
+struct Record {
+  int64_t id = 0;
+  int64_t step = -1;  // the step barrier that committed the mark
+  std::string file;
+  int line = 0;
+  std::vector<int64_t> shape;
+  std::string dtype;  // short XLA-style name: f32, bf16, s64, pred, ...
+  int64_t nbytes = 0;
+  Verdict verdict = Verdict::kMarked;
+
+  // "f32[4,4]", the spelling XLA and JAX use in their messages.
+  std::string ShapeString() const;
+  std::string Where() const { return file + ":" + std::to_string(line); }
+};
+
+using RecordPtr = std::shared_ptr<Record>;
+
+// Per-step totals, kept for the last kHistorySteps steps.
+struct StepStats {
+  int64_t step = -1;
+  int64_t donated = 0, donated_bytes = 0;
+  int64_t consumed = 0, consumed_bytes = 0;
+  int64_t unused = 0, unused_bytes = 0;
+  int64_t updated_in_place = 0;
+  int64_t failed = 0;
+  std::vector<std::string> unused_shapes;
+  bool settled() const { return pending == 0; }
+  int64_t pending = 0;  // donations of this step without a final verdict
+};
+
+class Ledger {
+ public:
+  static constexpr size_t kHistorySteps = 64;
+
+  // Marks `tensor` for the next step.  Returns nullptr when it is already
+  // marked: marking twice before a step counts once.
+  RecordPtr Mark(py::object tensor, std::string file, int line,
+                 std::vector<int64_t> shape, std::string dtype,
+                 int64_t nbytes);
+
+  // Removes a pending mark; returns its record (verdict kCancelled) or
+  // nullptr when the tensor was not marked.
+  RecordPtr Unmark(const py::handle& tensor);
+
+  bool IsMarked(const py::handle& tensor) const;
+  std::vector<py::object> MarkedTensors() const;
+  size_t MarkedCount() const;
+
+  // Commits every pending mark to a new step and returns them in marking
+  // order.  The ledger keeps no reference to the tensors afterwards.
+  int64_t BeginStep(std::vector<py::object>* tensors,
+                    std::vector<RecordPtr>* records);
+
+  // Records the final verdict of one donation of a committed step.
+  void Settle(const RecordPtr& record, Verdict verdict);
+
+  int64_t current_step() const;
+  // Stats of `step`, or of the newest step when step < 0.  False if unknown.
+  bool Stats(int64_t step, StepStats* out) const;
+  StepStats Totals() const;
+  void Reset();
+
+ private:
+  struct Mark_ {
+    py::object tensor;
+    RecordPtr record;
+  };
+  StepStats* FindStatsLocked(int64_t step);
+
+  mutable std::mutex mu_;
+  int64_t next_id_ = 1;
+  int64_t step_ = 0;  // number of step barriers that committed marks
+  std::vector<Mark_> marks_;                      // in marking order
+  std::unordered_map<PyObject*, size_t> index_;   // tensor -> slot in marks_
+  std::deque<StepStats> history_;
+  StepStats totals_;
+};
+
+Ledger& GlobalLedger();
+
+}  // namespace torch_xla_donate

@@ -1,0 +1,34 @@
+"""torch_xla_donate: explicit buffer donation for PyTorch/XLA.
+
+    import torch_xla_donate as tdx
+    tdx.donate_buffer(params)       # or torch_xla._XLAC.donate_buffer(params)
+    params = params - lr * grads
+    xm.mark_step()                  # the new params reuse the old buffer
+
+Importing the package hooks torch_xla's step barrier and installs
+``torch_xla._XLAC.donate_buffer``.
+"""
+import torch_xla
+
+from . import _C, step_hook
+from .api import donate_buffer, is_deleted, is_donated, undonate
+from .errors import (
+    DonatedBufferError,
+    DonationDisabledWarning,
+    DroppedDonationWarning,
+    UnusedDonationWarning,
+)
+
+__all__ = [
+    "donate_buffer",
+    "undonate",
+    "is_donated",
+    "is_deleted",
+    "DonatedBufferError",
+    "UnusedDonationWarning",
+    "DroppedDonationWarning",
+    "DonationDisabledWarning",
+]
+
+step_hook.install()
+torch_xla._XLAC.donate_buffer = donate_buffer

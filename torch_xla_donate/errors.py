@@ -1,0 +1,41 @@
+"""The exceptions and warnings a user of torch_xla_donate can meet."""
+
+__all__ = [
+    "DonatedBufferError",
+    "UnusedDonationWarning",
+    "DonationDisabledWarning",
+    "DroppedDonationWarning",
+]
+
+
+class DonatedBufferError(RuntimeError):
+    """A tensor whose buffer was donated to a step's output was used.
+
+    Raised at the line that touched the tensor, and also by ``donate_buffer``
+    when asked to donate a tensor that is already gone.
+    """
+
+
+class UnusedDonationWarning(UserWarning):
+    """A step could not use a donated buffer.
+
+    The tensor was not an input of the step's graph, or no output of the same
+    byte size was left to take its buffer.  The tensor keeps its value and is
+    no longer marked.
+    """
+
+
+class DroppedDonationWarning(UserWarning):
+    """A mark was dropped before the step because donating it was unsafe.
+
+    This happens when a view or alias of the tensor (``t[0]``, ``t.detach()``)
+    was created after ``donate_buffer(t)``: the step would destroy the view's
+    data too.  The tensor keeps its value.
+    """
+
+
+class DonationDisabledWarning(UserWarning):
+    """Donation is switched off, so ``donate_buffer`` does nothing.
+
+    torch_xla's ``XLA_ENABLE_PARAM_ALIASING=0`` turns all buffer donation off.
+    """

@@ -1,0 +1,227 @@
+"""The step hook: commits donation marks at every step barrier.
+
+Every barrier of PyTorch/XLA (``xm.mark_step``, ``torch_xla.sync``,
+``torch_xla.step()``/``compile``, ``MpDeviceLoader``) ends in
+``torch_xla._XLAC._xla_step_marker``.  We wrap that one function.
+
+Around the real barrier:
+
+1. *Before*: commit the ledger's marks to a new step.  A marked tensor that
+   was updated in place since (``t.add_(1)``) is an output of the step now,
+   not a donor: it keeps its new value.  A marked tensor that gained a view or
+   alias since marking would take that view down with it: its mark is
+   dropped.  The rest stay torch_xla buffer donors.
+2. The real barrier builds the graph (fixing its donor set) and dispatches it.
+3. *After*: the donations are poisoned.  Whether XLA really took a buffer is
+   visible only once the step has been dispatched (the input's buffer is then
+   deleted), and with ``sync(wait=False)`` that may be a moment later.  So
+   each donation waits *in flight*: it is settled by the next barrier (which
+   cannot start before this step was dispatched), by the first use of the
+   tensor, or by ``is_deleted``.  Nothing blocks the training loop.
+
+The torch_xla donor flag of every committed tensor is cleared as soon as its
+step's graph is built: a flag the step did not use would otherwise stay armed
+and fire at some later, unrelated step.
+"""
+import sys
+import threading
+import warnings
+
+from . import _C, _xla, poison
+from .errors import DroppedDonationWarning, UnusedDonationWarning
+
+__all__ = ["install", "uninstall", "installed", "settle_in_flight"]
+
+_real_step_marker = None
+_lock = threading.RLock()
+# (tensor, record) of committed donations whose verdict is not known yet.
+_in_flight = []
+
+
+def install() -> None:
+    """Routes every torch_xla step barrier through the hook (idempotent)."""
+    global _real_step_marker
+    with _lock:
+        if _real_step_marker is None:
+            _real_step_marker = _xla._XLAC._xla_step_marker
+            _xla._XLAC._xla_step_marker = _step_marker
+            poison._settle_hook = _settle_one
+
+
+def uninstall() -> None:
+    global _real_step_marker
+    with _lock:
+        if _real_step_marker is not None:
+            _xla._XLAC._xla_step_marker = _real_step_marker
+            _real_step_marker = None
+
+
+def installed() -> bool:
+    return _real_step_marker is not None
+
+
+def _step_marker(device="", devices=(), wait=True, reset_scope=True):
+    with _lock:
+        if _is_compile_prologue():
+            return _flush_keeping_marks(device, devices, wait, reset_scope)
+        _settle_dispatched(certain=False)
+        step, tensors, records = _C.begin_step()
+        donors = _drop_unsafe(tensors, records)
+        try:
+            _real_step_marker(device, devices, wait=wait, reset_scope=reset_scope)
+        except BaseException:
+            _abandon(donors, _C.Verdict.STEP_FAILED)
+            raise
+        for t, _ in donors:
+            _xla.set_donor(t, False)  # the donor set is fixed; see module doc
+        # The barrier could not start before the previous step was dispatched.
+        _settle_dispatched(certain=True)
+        for t, record in donors:
+            poison.poison(t, record)
+        _in_flight.extend(donors)
+        if wait:
+            _settle_dispatched(certain=True)
+
+
+def _drop_unsafe(tensors, records):
+    """Splits the committed marks: returns the (tensor, record) pairs that stay
+    donors, settling the others right away."""
+    donors, dropped = [], []
+    updated = _xla.has_pending_ir(tensors) if tensors else []
+    for t, record, pending in zip(tensors, records, updated):
+        if pending:  # updated in place after marking: an output, keep it
+            _C.settle(record, _C.Verdict.UPDATED_IN_PLACE)
+        elif _xla.storage_use_count(t) > 1:
+            _xla.set_donor(t, False)
+            _C.settle(record, _C.Verdict.CANCELLED)
+            dropped.append(record)
+        else:
+            donors.append((t, record))
+    if dropped:
+        _warn(
+            DroppedDonationWarning,
+            "Donations dropped before step {step}: {items}. A view or alias of "
+            "each (t[...], t.detach(), ...) was created after donate_buffer(t) "
+            "and is still alive; donating would destroy it too. These tensors "
+            "keep their values; drop the views before the step to donate them.",
+            dropped,
+        )
+    return donors
+
+
+def _settle_dispatched(certain: bool) -> None:
+    """Settles in-flight donations.  A deleted buffer is a certain
+    "consumed"; a live one means "unused" only once ``certain`` that its step
+    was dispatched."""
+    global _in_flight
+    if not _in_flight:
+        return
+    unknown, unused = [], []
+    for t, record in _in_flight:
+        if record.verdict != _C.Verdict.IN_FLIGHT:
+            continue  # settled by a use of the tensor in the meantime
+        if _xla.buffer_deleted(t):
+            _C.settle(record, _C.Verdict.CONSUMED)
+        elif certain:
+            _unuse(t, record)
+            unused.append(record)
+        else:
+            unknown.append((t, record))
+    _in_flight = unknown
+    if unused:
+        _warn_unused(unused)
+
+
+def _settle_one(t) -> None:
+    """Settles one in-flight tensor now, waiting for the device if needed.
+    Called on the first use of a tensor whose verdict is still open."""
+    with _lock:
+        record = poison.donation_record(t)
+        if record.verdict != _C.Verdict.IN_FLIGHT:
+            return
+        if not _xla.buffer_deleted(t):
+            _xla.wait_device_ops()
+        if _xla.buffer_deleted(t):
+            _C.settle(record, _C.Verdict.CONSUMED)
+        else:
+            _unuse(t, record)
+            _warn_unused([record])
+
+
+def settle_in_flight() -> None:
+    """Settles every open verdict, waiting for the device if needed."""
+    with _lock:
+        if _in_flight:
+            _xla.wait_device_ops()
+            _settle_dispatched(certain=True)
+
+
+def _unuse(t, record) -> None:
+    _xla.set_donor(t, False)
+    _C.settle(record, _C.Verdict.UNUSED)
+    poison.unpoison(t)
+
+
+def _abandon(donors, verdict) -> None:
+    for t, record in donors:
+        _xla.set_donor(t, False)
+        _C.settle(record, verdict)
+
+
+def _warn_unused(records) -> None:
+    _warn(
+        UnusedDonationWarning,
+        "Some donated buffers were not usable at step {step}: {items}. No "
+        "output of the step could take them (or they were no input of its "
+        "graph); they keep their values and are no longer marked.",
+        records,
+    )
+
+
+def _warn(category, template, records) -> None:
+    items = ", ".join(f"{r.shape_string} (donated at {r.where})" for r in records)
+    message = template.format(step=records[0].step, items=items)
+    warnings.warn(message, category, stacklevel=_user_stacklevel())
+
+
+# -- torch_xla.compile / torch_xla.step() ------------------------------------
+#
+# ``with torch_xla.step():`` first flushes pending work with a barrier of its
+# own, then runs the body, then syncs.  A user who marks a tensor right before
+# the block means the block's graph, so the flush must neither commit the
+# marks nor let torch_xla donate those buffers to the flush's graph.
+
+
+def _is_compile_prologue() -> bool:
+    frame = sys._getframe(2)
+    for _ in range(3):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == "_clear_pending_ops_before_compile":
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _flush_keeping_marks(device, devices, wait, reset_scope):
+    marked = _C.marked_tensors()
+    for t in marked:
+        _xla.set_donor(t, False)
+    try:
+        _real_step_marker(device, devices, wait=wait, reset_scope=reset_scope)
+    finally:
+        for t in marked:
+            _xla.set_donor(t, True)
+
+
+def _user_stacklevel() -> int:
+    """The stacklevel that points a warning at the user's line, past the
+    frames of torch_xla and of this package."""
+    level, frame = 1, sys._getframe(1)
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if not (name.startswith("torch_xla.") or name == "torch_xla" or name.startswith("torch_xla_donate")):
+            return level
+        frame = frame.f_back
+        level += 1
+    return 1
