@@ -59,9 +59,9 @@ def _mark(tensor, where) -> None:
         return
     torch._check_value(
         _xla.set_donor(tensor, True),
-        lambda: f"donate_buffer: {_describe(tensor)} is a view of another tensor's "
-        "buffer; only plain device data can be donated. Donate the base tensor, "
-        "or materialize a copy first: t = t.clone(); xm.mark_step().",
+        lambda: f"donate_buffer: torch_xla refused to donate {_describe(tensor)}: "
+        "it is not plain device data. Materialize a copy first: "
+        "t = t.clone(); xm.mark_step().",
     )
     file, line = where
     _C.mark(
@@ -85,6 +85,13 @@ def _check_donatable(tensor) -> None:
         _xla.is_xla(tensor),
         lambda: f"donate_buffer expects a tensor on an XLA device, got one on "
         f"'{tensor.device}'. Move it first: t = t.to(torch_xla.device()).",
+    )
+    torch._check_value(
+        not tensor._is_view(),
+        lambda: f"donate_buffer: {_describe(tensor)} is a view (t[...], reshape, "
+        "transpose, ...) of another tensor's buffer; only plain device data can be "
+        "donated. Donate its base tensor, or materialize a copy first: "
+        "t = t.clone(); xm.mark_step().",
     )
     torch._check_value(
         not _xla.has_pending_ir([tensor])[0],

@@ -1,0 +1,100 @@
+"""Poisoning, on CPU tensors: the class swap needs no device."""
+import pickle
+import weakref
+
+import pytest
+import torch
+
+from torch_xla_donate import _C, poison
+from torch_xla_donate.errors import DonatedBufferError
+
+
+@pytest.fixture
+def consumed_record():
+    """A ledger record whose verdict is 'consumed', as after a real step."""
+    holder = torch.empty(0)
+    _C.mark(holder, "train.py", 42, (2, 3), "f32", 24)
+    _, _, (record,) = _C.begin_step()
+    _C.settle(record, _C.Verdict.CONSUMED)
+    return record
+
+
+@pytest.fixture
+def donated(consumed_record):
+    t = torch.ones(2, 3)
+    poison.poison(t, consumed_record)
+    return t
+
+
+USES = {
+    "arithmetic": lambda t: t + 1,
+    "reduction": lambda t: t.sum(),
+    "indexing": lambda t: t[0],
+    "in-place": lambda t: t.add_(1),
+    "to cpu": lambda t: t.cpu(),
+    "item": lambda t: t.item(),
+    "torch.stack of a list": lambda t: torch.stack([torch.ones(2, 3), t]),
+    "functional": lambda t: torch.nn.functional.relu(t),
+    "matmul": lambda t: torch.ones(3, 2) @ t,
+    "aten op": lambda t: torch.ops.aten.mul.Tensor(t, 2),
+    "numpy": lambda t: t.numpy(),
+    "clone": lambda t: t.clone(),
+    "pickle": lambda t: pickle.dumps(t),
+    "comparison": lambda t: t == 1,
+    "set data": lambda t: setattr(t, "data", torch.zeros(2, 3)),
+}
+
+
+@pytest.mark.parametrize("use", USES.values(), ids=USES.keys())
+def test_every_use_raises(donated, use):
+    with pytest.raises(DonatedBufferError, match=r"f32\[2,3\].*train\.py:42"):
+        use(donated)
+
+
+def test_metadata_stays_readable(donated):
+    assert donated.shape == (2, 3) and donated.dtype == torch.float32
+    assert donated.device.type == "cpu" and donated.dim() == 2 and donated.numel() == 6
+    assert donated.size(1) == 3 and len(donated) == 2
+    assert isinstance(donated, torch.Tensor)
+    hash(donated)
+
+
+def test_repr_says_plainly_that_it_was_donated(donated, consumed_record):
+    text = repr(donated)
+    assert "donated" in text and "f32[2,3]" in text and "train.py:42" in text
+    assert str(donated) == text
+    assert f"step {consumed_record.step}" in text
+
+
+def test_message_names_step_place_and_fix(donated, consumed_record):
+    with pytest.raises(DonatedBufferError) as info:
+        donated.sum()
+    msg = str(info.value)
+    assert f"step {consumed_record.step}" in msg
+    assert "24 bytes" in msg and "undonate" in msg
+
+
+def test_parameter_stays_a_parameter_and_module_use_raises(consumed_record):
+    lin = torch.nn.Linear(3, 2)
+    poison.poison(lin.weight, consumed_record)
+    assert isinstance(lin.weight, torch.nn.Parameter)
+    with pytest.raises(DonatedBufferError):
+        lin(torch.ones(1, 3))
+    with pytest.raises(DonatedBufferError):
+        lin.state_dict()
+
+
+def test_weakref_and_views_do_not_stop_poisoning(consumed_record):
+    t = torch.ones(2, 3)
+    ref = weakref.ref(t)
+    poison.poison(t, consumed_record)
+    with pytest.raises(DonatedBufferError):
+        ref().sum()
+
+
+def test_unpoison_restores_the_original_class(consumed_record):
+    p = torch.nn.Parameter(torch.ones(2))
+    poison.poison(p, consumed_record)
+    poison.unpoison(p)
+    assert type(p) is torch.nn.Parameter and not poison.is_poisoned(p)
+    assert p.sum().item() == 2

@@ -1,0 +1,253 @@
+"""The step hook: every barrier commits the marks, XLA reuses the buffers,
+donated tensors are poisoned, unused marks do not linger."""
+import inspect
+import warnings
+
+import pytest
+import torch
+import torch_xla
+import torch_xla.core.xla_model as xm
+import torch_xla.distributed.parallel_loader as pl
+
+import torch_xla_donate as tdx
+from torch_xla_donate import _C, _xla
+from helpers import buffer_ptr, materialize
+
+
+def _functional_update(dev, n=256):
+    """A materialized state and gradient, marked: returns (state, grad, ptr)."""
+    p, g = materialize(torch.randn(n, n, device=dev), torch.randn(n, n, device=dev))
+    ptr = buffer_ptr(p)
+    tdx.donate_buffer(p)
+    return p, g, ptr
+
+
+def _barrier_mark_step():
+    xm.mark_step()
+
+
+def _barrier_sync():
+    torch_xla.sync()
+
+
+def _barrier_sync_wait():
+    torch_xla.sync(wait=True)
+
+
+BARRIERS = {"xm.mark_step": _barrier_mark_step, "torch_xla.sync": _barrier_sync,
+            "sync(wait=True)": _barrier_sync_wait}
+
+
+@pytest.mark.parametrize("barrier", BARRIERS.values(), ids=BARRIERS.keys())
+def test_barrier_commits_the_donation_and_reuses_the_buffer(dev, barrier):
+    p, g, ptr = _functional_update(dev)
+    expected = (p * 0.9 + g).cpu()
+    new = p * 0.9 + g
+    barrier()
+    assert buffer_ptr(new) == ptr
+    assert torch.equal(new.cpu(), expected)
+    assert tdx.is_deleted(p)
+
+
+def test_torch_xla_step_context_applies_marks_made_before_it(dev):
+    p, g, ptr = _functional_update(dev)
+    unrelated = torch.ones(256, 256, device=dev) * 3  # pending: flushed on entry
+    with torch_xla.step():
+        new = p - 0.5 * g
+    assert buffer_ptr(new) == ptr
+    assert tdx.is_deleted(p)
+    assert unrelated.sum().item() == 3 * 256 * 256
+
+
+def test_torch_xla_compile_commits_marks_made_inside(dev):
+    p, g = materialize(torch.randn(64, 64, device=dev), torch.randn(64, 64, device=dev))
+    ptr = buffer_ptr(p)
+    expected = (p + g).cpu()
+
+    @torch_xla.compile
+    def update(p, g):
+        tdx.donate_buffer(p)
+        return p + g
+
+    new = update(p, g)
+    assert buffer_ptr(new) == ptr and torch.equal(new.cpu(), expected)
+    assert tdx.is_deleted(p)
+
+
+def test_mp_device_loader_iteration_is_a_barrier(dev):
+    batches = [torch.full((64,), float(i)) for i in range(3)]
+    loader = pl.MpDeviceLoader(batches, dev)
+    acc = materialize(torch.zeros(64, device=dev))
+    seen = []
+    for batch in loader:
+        old, ptr = acc, buffer_ptr(acc)
+        tdx.donate_buffer(acc)
+        acc = acc + batch
+        seen.append((old, ptr))
+    torch_xla.sync()
+    for old, _ in seen:
+        assert tdx.is_deleted(old)
+    # Each step's sum landed in the previous accumulator's buffer.
+    assert buffer_ptr(acc) == seen[-1][1]
+    assert acc.cpu().tolist() == [3.0] * 64
+
+
+def test_use_raises_at_the_line_that_touched_it(dev):
+    p, g, _ = _functional_update(dev, n=8)
+    new = p + g
+    torch_xla.sync()
+    with pytest.raises(tdx.DonatedBufferError) as info:
+        line = inspect.currentframe().f_lineno + 1
+        p.mul(2)
+    assert any(entry.lineno + 1 == line and entry.path.name == "test_step_hook.py"
+               for entry in info.traceback)
+
+
+USES = {
+    "arithmetic": lambda t: t * 2,
+    "indexing": lambda t: t[0],
+    "in-place": lambda t: t.add_(1),
+    "cpu": lambda t: t.cpu(),
+    "item": lambda t: t[0, 0].item(),
+    "other op": lambda t: torch.matmul(torch.ones(8, 8, device=t.device), t),
+    "print": lambda t: print(t.tolist()),
+}
+
+
+@pytest.mark.parametrize("use", USES.values(), ids=USES.keys())
+def test_every_use_raises_before_any_sync(dev, use):
+    p, g, _ = _functional_update(dev, n=8)
+    new = p + g
+    torch_xla.sync()
+    with pytest.raises(tdx.DonatedBufferError, match=r"f32\[8,8\].*test_step_hook\.py:\d+"):
+        use(p)
+    # Nothing of the failed use reached the graph: the next step is clean.
+    torch_xla.sync(wait=True)
+    assert new.shape == (8, 8) and torch.isfinite(new.cpu()).all()
+
+
+def test_message_has_step_and_the_donate_call_site(dev):
+    p, g = materialize(torch.ones(4, 2, device=dev), torch.ones(4, 2, device=dev))
+    line = inspect.currentframe().f_lineno + 1
+    tdx.donate_buffer(p)
+    new = p + g
+    torch_xla.sync()
+    step = _C.current_step()
+    with pytest.raises(tdx.DonatedBufferError) as info:
+        p.sum()
+    msg = str(info.value)
+    assert f"test_step_hook.py:{line}" in msg and f"step {step}" in msg
+    assert "f32[4,2]" in msg and "32 bytes" in msg
+    assert p.shape == (4, 2) and p.dtype == torch.float32 and p.device == dev
+    assert "donated" in repr(p)
+
+
+def test_unused_mark_warns_keeps_value_and_does_not_linger(dev):
+    lonely, other = materialize(torch.arange(3.0, device=dev), torch.ones(3, device=dev))
+    tdx.donate_buffer(lonely)
+    out = other * 2  # `lonely` is no input of this step
+    with pytest.warns(tdx.UnusedDonationWarning, match=r"not usable.*f32\[3\]"):
+        torch_xla.sync(wait=True)
+    assert not tdx.is_donated(lonely) and not tdx.is_deleted(lonely)
+    assert lonely.cpu().tolist() == [0.0, 1.0, 2.0]
+    # The old mark must not fire in a later step that could use the buffer.
+    ptr = buffer_ptr(lonely)
+    later = lonely + 1
+    torch_xla.sync(wait=True)
+    assert buffer_ptr(later) != ptr
+    assert lonely.cpu().tolist() == [0.0, 1.0, 2.0]
+
+
+def test_no_output_of_the_same_size_means_unused(dev):
+    x = materialize(torch.arange(5.0, device=dev))
+    tdx.donate_buffer(x)
+    total = x.sum()  # f32[] cannot live in an f32[5] buffer
+    with pytest.warns(tdx.UnusedDonationWarning, match=r"f32\[5\]"):
+        torch_xla.sync(wait=True)
+    assert total.item() == 10.0 and x.cpu().tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+
+
+def test_in_place_update_after_marking_keeps_the_new_value(dev):
+    t = materialize(torch.ones(16, device=dev))
+    tdx.donate_buffer(t)
+    t.mul_(5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch_xla.sync(wait=True)
+    assert not tdx.is_deleted(t)
+    assert t.cpu().tolist() == [5.0] * 16
+    assert _C.step_stats()["updated_in_place"] == 1
+
+
+def test_view_taken_after_marking_drops_the_donation(dev):
+    t = materialize(torch.arange(4.0, device=dev))
+    tdx.donate_buffer(t)
+    head = t[0:2]
+    doubled = t * 2
+    with pytest.warns(tdx.DroppedDonationWarning, match=r"f32\[4\]"):
+        torch_xla.sync(wait=True)
+    assert head.cpu().tolist() == [0.0, 1.0]
+    assert t.cpu().tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert doubled.cpu().tolist() == [0.0, 2.0, 4.0, 6.0]
+
+
+def test_weakref_to_a_donated_tensor_sees_the_poison(dev):
+    import weakref
+    p, g, ptr = _functional_update(dev, n=8)
+    ref = weakref.ref(p)
+    new = p + g
+    torch_xla.sync()
+    assert buffer_ptr(new) == ptr
+    with pytest.raises(tdx.DonatedBufferError):
+        ref().sum()
+
+
+def test_nn_parameter_is_poisoned_in_place(dev):
+    lin = torch.nn.Linear(8, 8).to(dev)
+    materialize(lin.weight)
+    w = lin.weight
+    tdx.donate_buffer(w)
+    new_w = w * 0.5
+    torch_xla.sync()
+    assert isinstance(lin.weight, torch.nn.Parameter) and tdx.is_deleted(lin.weight)
+    with pytest.raises(tdx.DonatedBufferError):
+        lin(torch.ones(2, 8, device=dev))
+
+
+def test_async_loop_never_blocks_and_every_verdict_is_right(dev, monkeypatch):
+    waits = []
+    real_wait = _xla.wait_device_ops
+    monkeypatch.setattr(_xla, "wait_device_ops", lambda: (waits.append(1), real_wait()))
+    state = materialize(torch.zeros(128, 128, device=dev))
+    first_ptr = buffer_ptr(state)
+    old_states = []
+    for _ in range(10):
+        tdx.donate_buffer(state)
+        old_states.append(state)
+        state = state + 1
+        torch_xla.sync(wait=False)
+    assert waits == [], "the hook must not wait for the device in a wait=False loop"
+    xm.wait_device_ops()
+    assert all(tdx.is_deleted(s) for s in old_states)
+    assert buffer_ptr(state) == first_ptr  # the state kept one buffer throughout
+    assert state.cpu().eq(10).all()
+
+
+def test_async_unused_donation_is_readable_right_after_the_step(dev):
+    x, y = materialize(torch.arange(3.0, device=dev), torch.ones(3, device=dev))
+    tdx.donate_buffer(x)
+    z = y + 1
+    torch_xla.sync(wait=False)
+    with pytest.warns(tdx.UnusedDonationWarning):
+        assert x.cpu().tolist() == [0.0, 1.0, 2.0]  # settles, then reads
+    assert type(x) is torch.Tensor
+
+
+def test_async_unused_donation_settles_at_the_next_barrier(dev):
+    x, y = materialize(torch.arange(3.0, device=dev), torch.ones(3, device=dev))
+    tdx.donate_buffer(x)
+    z = y + 1
+    torch_xla.sync(wait=False)
+    with pytest.warns(tdx.UnusedDonationWarning, match=r"f32\[3\]"):
+        torch_xla.sync(wait=False)
+    assert type(x) is torch.Tensor and x.cpu().tolist() == [0.0, 1.0, 2.0]
