@@ -12,10 +12,12 @@ import torch_xla
 
 from . import _C, step_hook
 from .api import donate_buffer, is_deleted, is_donated, undonate
+from .config import configure
 from .errors import (
     DonatedBufferError,
     DonationDisabledWarning,
     DroppedDonationWarning,
+    UnusedDonationError,
     UnusedDonationWarning,
 )
 
@@ -24,8 +26,10 @@ __all__ = [
     "undonate",
     "is_donated",
     "is_deleted",
+    "configure",
     "DonatedBufferError",
     "UnusedDonationWarning",
+    "UnusedDonationError",
     "DroppedDonationWarning",
     "DonationDisabledWarning",
 ]

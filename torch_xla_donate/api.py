@@ -16,12 +16,11 @@ Example (``PJRT_DEVICE=CPU python this_file.py``)::
     tdx.is_deleted(old)                  # True; old.sum() raises DonatedBufferError
 """
 import sys
-import threading
 import warnings
 
 import torch
 
-from . import _C, _xla, poison
+from . import _C, _xla, config, poison
 from .dtypes import xla_dtype_name
 from .errors import DonatedBufferError, DonationDisabledWarning
 
@@ -52,8 +51,19 @@ def _mark(tensor, where) -> None:
     (pytrees, ``donating``) blame the user's line, not their own.
     """
     _check_donatable(tensor)
+    if not config.enabled():
+        _warn_disabled_once(
+            "torch_xla_donate is switched off (TORCH_XLA_DONATE_DISABLE=1 or "
+            "configure(enabled=False)): donate_buffer() does nothing and no "
+            "tensor will be poisoned."
+        )
+        return
     if not _xla.aliasing_enabled():
-        _warn_disabled_once()
+        _warn_disabled_once(
+            "XLA_ENABLE_PARAM_ALIASING=0 turns off buffer donation in torch_xla: "
+            "donate_buffer() does nothing and no tensor will be poisoned. Unset it "
+            "to save the memory."
+        )
         return
     if _C.is_marked(tensor):
         return
@@ -148,16 +158,12 @@ def _caller(depth: int):
     return frame.f_code.co_filename, frame.f_lineno
 
 
-_disabled_warned = threading.Event()
+_disabled_warned = set()
 
 
-def _warn_disabled_once() -> None:
-    if not _disabled_warned.is_set():
-        _disabled_warned.set()
-        warnings.warn(
-            "XLA_ENABLE_PARAM_ALIASING=0 turns off buffer donation in torch_xla: "
-            "donate_buffer() does nothing and no tensor will be poisoned. Unset it "
-            "to save the memory.",
-            DonationDisabledWarning,
-            stacklevel=4,
-        )
+def _warn_disabled_once(message: str) -> None:
+    """Warns once per reason: a loop that donates every step should not
+    print the same line every step."""
+    if message not in _disabled_warned:
+        _disabled_warned.add(message)
+        warnings.warn(message, DonationDisabledWarning, stacklevel=4)

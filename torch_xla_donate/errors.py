@@ -3,6 +3,7 @@
 __all__ = [
     "DonatedBufferError",
     "UnusedDonationWarning",
+    "UnusedDonationError",
     "DonationDisabledWarning",
     "DroppedDonationWarning",
 ]
@@ -25,6 +26,11 @@ class UnusedDonationWarning(UserWarning):
     """
 
 
+class UnusedDonationError(RuntimeError):
+    """Strict mode's form of ``UnusedDonationWarning``: raised where the
+    warning would be given.  The tensors named keep their values."""
+
+
 class DroppedDonationWarning(UserWarning):
     """A mark was dropped before the step because donating it was unsafe.
 
@@ -37,5 +43,7 @@ class DroppedDonationWarning(UserWarning):
 class DonationDisabledWarning(UserWarning):
     """Donation is switched off, so ``donate_buffer`` does nothing.
 
-    torch_xla's ``XLA_ENABLE_PARAM_ALIASING=0`` turns all buffer donation off.
+    Either torch_xla's ``XLA_ENABLE_PARAM_ALIASING=0`` turned all buffer
+    donation off, or the plugin's own off switch is set
+    (``TORCH_XLA_DONATE_DISABLE=1`` or ``configure(enabled=False)``).
     """

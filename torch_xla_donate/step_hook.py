@@ -27,8 +27,8 @@ import sys
 import threading
 import warnings
 
-from . import _C, _xla, poison
-from .errors import DroppedDonationWarning, UnusedDonationWarning
+from . import _C, _xla, config, poison
+from .errors import DroppedDonationWarning, UnusedDonationError, UnusedDonationWarning
 
 __all__ = ["install", "uninstall", "installed", "settle_in_flight"]
 
@@ -61,10 +61,11 @@ def installed() -> bool:
 
 
 def _step_marker(device="", devices=(), wait=True, reset_scope=True):
+    global _in_flight
     with _lock:
         if _is_compile_prologue():
             return _flush_keeping_marks(device, devices, wait, reset_scope)
-        _settle_dispatched(certain=False)
+        _in_flight = _settle(_in_flight, certain=False)
         step, tensors, records = _C.begin_step()
         donors = _drop_unsafe(tensors, records)
         try:
@@ -72,15 +73,14 @@ def _step_marker(device="", devices=(), wait=True, reset_scope=True):
         except BaseException:
             _abandon(donors, _C.Verdict.STEP_FAILED)
             raise
-        for t, _ in donors:
-            _xla.set_donor(t, False)  # the donor set is fixed; see module doc
-        # The barrier could not start before the previous step was dispatched.
-        _settle_dispatched(certain=True)
         for t, record in donors:
+            _xla.set_donor(t, False)  # the donor set is fixed; see module doc
             poison.poison(t, record)
-        _in_flight.extend(donors)
-        if wait:
-            _settle_dispatched(certain=True)
+        # This barrier could not start before the previous step was
+        # dispatched, so the earlier verdicts are certain now; this step's
+        # are certain only if we waited for it.
+        earlier, _in_flight = _in_flight, donors
+        _in_flight = _settle(earlier, certain=True) + _settle(donors, certain=wait)
 
 
 def _drop_unsafe(tensors, records):
@@ -109,15 +109,14 @@ def _drop_unsafe(tensors, records):
     return donors
 
 
-def _settle_dispatched(certain: bool) -> None:
-    """Settles in-flight donations.  A deleted buffer is a certain
-    "consumed"; a live one means "unused" only once ``certain`` that its step
-    was dispatched."""
-    global _in_flight
-    if not _in_flight:
-        return
+def _settle(entries, certain: bool) -> list:
+    """Settles in-flight donations; returns those still unknown.
+
+    A deleted buffer is a certain "consumed".  A live one means "unused" only
+    once ``certain`` that its step was dispatched.
+    """
     unknown, unused = [], []
-    for t, record in _in_flight:
+    for t, record in entries:
         if record.verdict != _C.Verdict.IN_FLIGHT:
             continue  # settled by a use of the tensor in the meantime
         if _xla.buffer_deleted(t):
@@ -127,9 +126,9 @@ def _settle_dispatched(certain: bool) -> None:
             unused.append(record)
         else:
             unknown.append((t, record))
-    _in_flight = unknown
     if unused:
         _warn_unused(unused)
+    return unknown
 
 
 def _settle_one(t) -> None:
@@ -150,10 +149,12 @@ def _settle_one(t) -> None:
 
 def settle_in_flight() -> None:
     """Settles every open verdict, waiting for the device if needed."""
+    global _in_flight
     with _lock:
         if _in_flight:
             _xla.wait_device_ops()
-            _settle_dispatched(certain=True)
+            entries, _in_flight = _in_flight, []
+            _settle(entries, certain=True)
 
 
 def _unuse(t, record) -> None:
@@ -169,8 +170,10 @@ def _abandon(donors, verdict) -> None:
 
 
 def _warn_unused(records) -> None:
+    """Tells the user which donations no output could take: a warning, or
+    in strict mode an error (raised after the ledger is consistent)."""
     _warn(
-        UnusedDonationWarning,
+        UnusedDonationError if config.strict() else UnusedDonationWarning,
         "Some donated buffers were not usable at step {step}: {items}. No "
         "output of the step could take them (or they were no input of its "
         "graph); they keep their values and are no longer marked.",
@@ -181,6 +184,8 @@ def _warn_unused(records) -> None:
 def _warn(category, template, records) -> None:
     items = ", ".join(f"{r.shape_string} (donated at {r.where})" for r in records)
     message = template.format(step=records[0].step, items=items)
+    if issubclass(category, Exception) and not issubclass(category, Warning):
+        raise category(message)
     warnings.warn(message, category, stacklevel=_user_stacklevel())
 
 

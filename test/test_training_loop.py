@@ -1,0 +1,78 @@
+"""A functional training loop of a small MLP, with and without donation."""
+import torch
+import torch_xla
+import torch_xla.core.xla_model as xm
+import torch_xla.debug.metrics as met
+
+import torch_xla_donate as tdx
+from helpers import buffer_ptr
+
+STEPS = 20
+
+
+def _mlp_params(dev):
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(32, 16), (32,), (4, 32), (4,)]
+    params = [(torch.randn(s, generator=gen) * 0.1).to(dev) for s in shapes]
+    data = torch.randn(64, 16, generator=gen).to(dev)
+    target = torch.randint(0, 4, (64,), generator=gen).to(dev)
+    torch_xla.sync()
+    return params, data, target
+
+
+def _loss(params, x, y):
+    w1, b1, w2, b2 = params
+    h = torch.relu(x @ w1.T + b1)
+    return torch.nn.functional.cross_entropy(h @ w2.T + b2, y)
+
+
+def _compiles() -> int:
+    data = met.metric_data("CompileTime")
+    return data[0] if data else 0
+
+
+def _train(dev, donate: bool):
+    """Plain SGD with momentum, written functionally: new tensors each step."""
+    params, x, y = _mlp_params(dev)
+    momenta = [torch.zeros_like(p) for p in params]
+    torch_xla.sync()
+    compiles, reused = [], []
+    for _ in range(STEPS):
+        leaves = [p.detach().requires_grad_() for p in params]
+        grads = torch.autograd.grad(_loss(leaves, x, y), leaves)
+        del leaves
+        state = params + momenta
+        before = {buffer_ptr(t) for t in state}
+        if donate:
+            for t in state:
+                tdx.donate_buffer(t)
+        momenta = [0.9 * m + g for m, g in zip(momenta, grads)]
+        params = [p - 0.05 * m for p, m in zip(params, momenta)]
+        del grads
+        torch_xla.sync()
+        compiles.append(_compiles())
+        reused.append({buffer_ptr(t) for t in params + momenta} == before)
+        # With donation every old buffer was consumed by the step; without
+        # it, none.
+        assert [tdx.is_deleted(t) for t in state] == [donate] * 8
+        del state
+    return [p.cpu() for p in params], compiles, reused
+
+
+def test_same_parameters_and_no_extra_compiles(dev):
+    plain_params, plain_compiles, plain_reused = _train(dev, donate=False)
+    donated_params, donated_compiles, donated_reused = _train(dev, donate=True)
+    # Not bitwise: two plain runs on XLA's CPU backend already differ by an
+    # ulp (its reductions are not reproducible run to run).
+    for a, b in zip(plain_params, donated_params):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # Steady state: no new graph after the first steps, in either mode.
+    assert plain_compiles[-1] == plain_compiles[5]
+    assert donated_compiles[-1] == donated_compiles[5]
+    assert donated_compiles[-1] - donated_compiles[0] <= plain_compiles[-1] - plain_compiles[0]
+    # Evidence of reuse: the new state lives exactly in the buffers of the
+    # state it replaced.  Never without donation; with it, in most steps: XLA's
+    # CPU runtime now and then puts a step's outputs in fresh buffers even
+    # though it consumed the donated ones (measured: 0 to 4 steps of 20).
+    assert not any(plain_reused)
+    assert sum(donated_reused) >= 0.7 * STEPS, donated_reused
