@@ -18,12 +18,23 @@ setup() {
   local want
   want=$(sha256sum requirements.txt | cut -d' ' -f1)
   if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-    "$PY" -m pip install -q --disable-pip-version-check -r requirements.txt
+    echo "dev.sh: installing requirements into $VENV (torch alone is several GB)" >&2
+    pip_quiet install -r requirements.txt
     echo "$want" > "$stamp"
   fi
   # --no-build-isolation: the build must see the installed pybind11 and must
   # not pull its own torch (several GB) into an isolated environment.
-  "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
+  pip_quiet install --no-build-isolation --no-deps -e .
+}
+
+# pip, with its chatter kept in a log that is shown only when it fails.
+pip_quiet() {
+  local log="$VENV/pip.log"
+  if ! "$PY" -m pip --disable-pip-version-check "$@" > "$log" 2>&1; then
+    grep -v "^WARNING: Location" "$log" | tail -40 >&2
+    echo "dev.sh: pip $* failed (full log: $log)" >&2
+    return 1
+  fi
 }
 
 export PJRT_DEVICE=${PJRT_DEVICE:-CPU}
