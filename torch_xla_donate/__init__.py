@@ -13,6 +13,8 @@ import torch_xla
 from . import _C, step_hook
 from .api import donate_buffer, is_deleted, is_donated, undonate
 from .config import configure
+from .donating import donating
+from .pytree import donate
 from .errors import (
     DonatedBufferError,
     DonationDisabledWarning,
@@ -26,6 +28,8 @@ __all__ = [
     "undonate",
     "is_donated",
     "is_deleted",
+    "donate",
+    "donating",
     "configure",
     "DonatedBufferError",
     "UnusedDonationWarning",

@@ -1,0 +1,204 @@
+"""Donating whole pytrees: every tensor of a nest, a module or an optimizer.
+
+A training step rarely updates one tensor: it replaces a dict of parameters,
+a list of optimizer moments, a module's weights.  ``donate(tree)`` marks
+every tensor leaf of such a nest for the next step, as ``donate_buffer``
+would mark one::
+
+    params = {"w": w, "b": b}
+    momenta = [torch.zeros_like(w), torch.zeros_like(b)]
+    torch_xla.sync()
+    ...
+    tdx.donate((params, momenta))     # the old state is never read again
+    params, momenta = update(params, momenta, grads)
+    torch_xla.sync()                  # the new state reuses the old buffers
+
+What counts as a leaf follows ``torch.utils._pytree`` (lists, tuples,
+namedtuples, dicts and any registered type), with two additions pytree does
+not know about:
+
+* an ``nn.Module`` stands for its parameters and buffers.  They are donated
+  *in place*: after the step the module's own tensors are poisoned, and
+  calling the module raises ``DonatedBufferError``.  Donate a module only when
+  its weights are being replaced by new tensors (e.g. with
+  ``torch.func.functional_call`` and re-registered parameters).
+* a ``torch.optim.Optimizer`` stands for the tensors of its ``state``.  They
+  are named as in ``optimizer.state_dict()``: ``optimizer.state[3]['exp_avg']``
+  is the state of the fourth parameter across ``param_groups``.  torch.optim
+  keeps some counters (Adam's ``step``) as 0-dim tensors on the host on
+  purpose; those are not device buffers and are skipped.
+
+Other non-tensor leaves (``None``, numbers, strings, objects) are skipped.
+The same tensor reached twice (tied weights, a tensor in two lists) is
+donated once.
+
+The call is all-or-nothing.  Every tensor is checked before any is marked,
+and a tensor that cannot be donated (on the CPU, a view, not materialized,
+already donated, ...) raises the error ``donate_buffer`` would raise, naming
+the tensor's path in the tree (``params['layer1'][0]``, ``module.fc1.weight``)
+and leaving every tensor of the call unmarked.
+
+Messages about the donation (unused buffers, use after donation) point at the
+line of user code that called ``donate`` (or a ``donating`` function), not at
+this module.
+"""
+import sys
+
+import torch
+import torch.utils._pytree as pytree
+
+from . import _C, _xla, api
+from .errors import DonatedBufferError
+
+__all__ = ["donate"]
+
+
+def donate(tree) -> int:
+    """Donates every tensor leaf of ``tree`` to the outputs of the next step.
+
+    ``tree`` is a tensor, a pytree of tensors (lists, tuples, dicts,
+    namedtuples, registered types), an ``nn.Module`` (its parameters and
+    buffers) or a ``torch.optim.Optimizer`` (its state tensors), or any nest
+    of these.  Non-tensor leaves are skipped.
+
+    Returns the number of distinct tensors of ``tree`` that are now marked for
+    the next step: 0 when donation is switched off (``TORCH_XLA_DONATE_DISABLE``,
+    ``XLA_ENABLE_PARAM_ALIASING=0``) or the tree holds no tensor.
+
+    Raises (marking nothing):
+      TypeError: ``tree`` itself is an object pytree cannot look into (for
+        instance an unregistered dataclass), so nothing in it could be donated.
+      ValueError, DonatedBufferError: a tensor of the tree cannot be donated;
+        the message names its path, e.g. ``tree['layer1'][0]``.
+    """
+    return _donate_named([(_root_label(tree), tree)], _user_site())
+
+
+def _donate_named(named_trees, where) -> int:
+    """Donates several trees at once, all or nothing.
+
+    ``named_trees`` is a list of ``(label, tree)``; ``label`` starts every path
+    in messages (``donating`` passes argument names, so an error reads
+    ``params['w']``).  ``where`` is the (file, line) blamed for the marks.
+    """
+    leaves = _tensor_leaves(named_trees)
+    for path, tensor in leaves:
+        _checked(path, api._check_donatable, tensor)
+    # Checked: now mark.  A failure here is unexpected (torch_xla refusing a
+    # tensor that passed every check); undo this call's marks so that the
+    # promise "nothing marked" holds anyway.
+    newly_marked = []
+    try:
+        for path, tensor in leaves:
+            already = _C.is_marked(tensor)
+            _checked(path, api._mark, tensor, where)
+            if not already and _C.is_marked(tensor):
+                newly_marked.append(tensor)
+    except BaseException:
+        for tensor in newly_marked:
+            api.undonate(tensor)
+        raise
+    return sum(1 for _, tensor in leaves if _C.is_marked(tensor))
+
+
+def _checked(path, check, *args):
+    """Runs ``check``; re-raises its error with the tensor's path in front."""
+    try:
+        check(*args)
+    except (TypeError, ValueError, DonatedBufferError) as error:
+        raise type(error)(
+            f"donate: cannot donate {path}, so no tensor of this call was marked. "
+            f"{error}"
+        ) from None
+
+
+def _tensor_leaves(named_trees) -> list:
+    """Every distinct tensor of the trees as ``(path, tensor)``, first path wins."""
+    seen, leaves = set(), []
+    for label, tree in named_trees:
+        _check_root(label, tree)
+        for path, tensor in _walk(label, tree, host_scalars_ok=False):
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                leaves.append((path, tensor))
+    return leaves
+
+
+def _walk(label, tree, host_scalars_ok):
+    """Yields ``(path, tensor)`` for the tensors of ``tree``.
+
+    >>> [p for p, _ in _walk("params", {"w": [torch.ones(1), 3]}, False)]
+    ["params['w'][0]"]
+    """
+    for key_path, leaf in pytree.tree_flatten_with_path(tree)[0]:
+        path = label + pytree.keystr(key_path)
+        if isinstance(leaf, torch.Tensor):
+            if host_scalars_ok and leaf.dim() == 0 and not _xla.is_xla(leaf):
+                continue  # torch.optim's host-side counter, not a device buffer
+            yield path, leaf
+        elif isinstance(leaf, torch.nn.Module):
+            for name, tensor in leaf.named_parameters():
+                yield f"{path}.{name}", tensor
+            for name, tensor in leaf.named_buffers():
+                yield f"{path}.{name}", tensor
+        elif isinstance(leaf, torch.optim.Optimizer):
+            yield from _optimizer_state(path, leaf)
+
+
+def _optimizer_state(path, optimizer):
+    """The optimizer's state tensors, named by parameter index as in
+    ``optimizer.state_dict()['state']``."""
+    index = {}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            index.setdefault(id(param), len(index))
+    for param, state in optimizer.state.items():
+        name = f"{path}.state[{index.get(id(param), '?')}]"
+        yield from _walk(name, state, host_scalars_ok=True)
+
+
+_SCALARS = (bool, int, float, complex, str, bytes, type(None))
+
+
+def _check_root(label, tree) -> None:
+    """Refuses a root that pytree sees as an opaque leaf.
+
+    Nested opaque leaves are skipped like numbers, but a root the caller
+    explicitly asked to donate (a dataclass, a custom state object) that
+    pytree cannot look into would silently donate nothing.
+    """
+    if isinstance(tree, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer) + _SCALARS):
+        return
+    if pytree.tree_structure(tree).is_leaf():
+        raise TypeError(
+            f"donate: {label} is a {type(tree).__qualname__}, which torch.utils._pytree "
+            "cannot look into, so none of its tensors would be donated. Pass its "
+            "tensors in a list, tuple or dict, or register the type with "
+            "torch.utils._pytree.register_pytree_node."
+        )
+
+
+def _root_label(tree) -> str:
+    if isinstance(tree, torch.nn.Module):
+        return "module"
+    if isinstance(tree, torch.optim.Optimizer):
+        return "optimizer"
+    return "tree"
+
+
+# Frames of these modules are never the user's line: the plugin itself,
+# torch_xla (torch_xla.compile calls the function it wraps) and the stdlib
+# wrappers that torch_xla.compile and functools.wraps put in between.
+_INTERNAL_MODULES = ("torch_xla_donate", "torch_xla", "contextlib", "functools")
+
+
+def _user_site():
+    """(file, line) of the innermost frame outside the plugin and torch_xla:
+    the line messages about a donation should point at."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if not any(module == m or module.startswith(m + ".") for m in _INTERNAL_MODULES):
+            return frame.f_code.co_filename, frame.f_lineno
+        frame = frame.f_back
+    return "<unknown>", 0
