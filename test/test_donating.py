@@ -162,6 +162,20 @@ def test_method_counts_self(dev):
     assert tdx.is_deleted(state) and not tdx.is_deleted(delta)
 
 
+def test_module_is_matched_against_forward(dev):
+    class Scale(torch.nn.Module):
+        def forward(self, x, factor):
+            return x * factor
+
+    step = tdx.donating(Scale(), donate_argnames="x")
+    for call in ("positional", "keyword"):
+        x, _ = _pair(dev)
+        x_ptr, expected = buffer_ptr(x), x.cpu() * 3
+        out = step(x, 3) if call == "positional" else step(factor=3, x=x)
+        materialize(out)
+        _assert_reused(out, x, x_ptr, expected)
+
+
 # -- *args and **kwargs ------------------------------------------------------------
 
 
@@ -216,7 +230,7 @@ def test_out_of_range_index_names_function_parameters_and_fix():
     with pytest.raises(ValueError) as info:
         tdx.donating(step, donate_argnums=2)
     message = str(info.value)
-    for part in ("step", "donate_argnums=2", "'params', 'batch'", "0..1",
+    for part in ("step", "donate_argnums=2", "'params', 'batch'", "0..1, or -2..-1",
                  "donate_argnames=('lr',)"):
         assert part in message, (part, message)
 

@@ -42,11 +42,17 @@ arguments passed by keyword escaped ``donate_argnums``.)  The rules:
   function, its parameters and the fix.
 * A call that does not fit the signature donates nothing and raises the
   function's own ``TypeError``.
+* An ``nn.Module`` is matched against its ``forward``.  A function that hides
+  its parameters behind ``(*args, **kwargs)`` (a wrapper without
+  ``functools.wraps``) can only be matched by position for ``*args`` and by
+  keyword for ``**kwargs``: wrap the real function instead.
 """
 import difflib
 import functools
 import inspect
 import operator
+
+import torch
 
 from . import pytree
 
@@ -130,8 +136,11 @@ class _Selection:
     def __init__(self, fn, argnums, argnames):
         self.argnums, self.argnames = argnums, argnames
         self._fn_name = getattr(fn, "__qualname__", None) or repr(fn)
+        # An nn.Module's own signature is __call__'s (*args, **kwargs); the
+        # parameters a call binds to are forward's.
+        target = fn.forward if isinstance(fn, torch.nn.Module) else fn
         try:
-            self._signature = inspect.signature(fn)
+            self._signature = inspect.signature(target)
         except (TypeError, ValueError) as error:
             raise TypeError(
                 f"donating({self._fn_name}): cannot read its signature ({error}), so "
@@ -183,7 +192,8 @@ class _Selection:
             f" Keyword-only parameters are selected by name: donate_argnames="
             f"{tuple(keyword_only)!r}." if keyword_only else ""
         )
-        valid = f"0..{count - 1}" if count else "none"
+        # Only reached without *args, where negative indices count from the end.
+        valid = f"0..{count - 1}, or -{count}..-1" if count else "none"
         return ValueError(
             f"donating({self._fn_name}): donate_argnums={index} is out of range: "
             f"{self._describe()} takes {count} positional parameter(s) "
