@@ -90,9 +90,10 @@ def test_functional_adam_keeps_one_copy_of_its_state(tmp_path):
     # With it the new state lives in the old buffers.  Not quite flat: XLA
     # pairs donated buffers with outputs by size in parameter order, not by
     # data flow, and copies an input it would otherwise overwrite too early
-    # (measured: +146 MiB of 384, +11 MiB when outputs are created in the
-    # order of their inputs).
-    assert donated < 0.5 * STATE_MIB, f"donated loop grew {donated:.0f} MiB"
+    # (measured: +116 MiB here against +315 MiB without donation; a loop
+    # whose outputs are created in the order of their inputs can stay flat:
+    # +11 MiB measured for SGD with momentum).
+    assert donated < 0.6 * STATE_MIB, f"donated loop grew {donated:.0f} MiB"
     assert plain - donated > 0.4 * STATE_MIB
     assert plain_deleted == 0 and donated_deleted == 4 * 3 * len(PARAM_MIB)
     # The XLA CPU backend is not bitwise reproducible run to run: tight,
