@@ -6,6 +6,7 @@ import torch
 import torch_xla
 
 import torch_xla_donate as tdx
+import torch_xla_donate.api
 from helpers import buffer_ptr, materialize
 
 
@@ -124,6 +125,21 @@ def test_messages_blame_the_call_site(dev):
     materialize(out)
     with pytest.raises(tdx.DonatedBufferError, match=rf"{__file__}:{line}\b"):
         x.sum()
+
+
+def test_switched_off_warning_points_at_the_call(dev, monkeypatch):
+    monkeypatch.setattr(torch_xla_donate.api, "_disabled_warned", set())
+    step = torch_xla.compile(tdx.donating(_axpy, donate_argnums=0))
+    x, y = _pair(dev)
+    previous = tdx.configure(enabled=False)
+    try:
+        with pytest.warns(tdx.DonationDisabledWarning) as caught:
+            out = step(x, y)
+    finally:
+        tdx.configure(**previous)
+    assert [w.filename for w in caught] == [__file__]
+    assert not tdx.is_deleted(x)
+    torch.testing.assert_close(out.cpu(), x.cpu() * 2 + y.cpu())
 
 
 def test_defaults_are_never_donated(dev):

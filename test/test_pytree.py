@@ -8,6 +8,7 @@ import torch
 import torch_xla
 
 import torch_xla_donate as tdx
+import torch_xla_donate.api
 import torch_xla_donate.pytree
 from helpers import materialize
 
@@ -115,16 +116,21 @@ def test_opaque_root_is_a_type_error_and_scalars_are_skipped(dev):
     assert tdx.donate(None) == 0 and tdx.donate([1, "a", None]) == 0
 
 
-def test_switched_off_donates_nothing(dev):
+def test_switched_off_donates_nothing_and_warns_at_the_callers_line(dev, monkeypatch):
+    # The warning is given once per process: forget earlier tests' warnings.
+    monkeypatch.setattr(torch_xla_donate.api, "_disabled_warned", set())
     t = torch.ones(4, device=dev)
     materialize(t)
     previous = tdx.configure(enabled=False)
     try:
-        with pytest.warns(tdx.DonationDisabledWarning):
+        with pytest.warns(tdx.DonationDisabledWarning) as caught:
             assert tdx.donate([t]) == 0
+        with pytest.raises(ValueError, match=r"tree\[0\]"):  # still checked
+            tdx.donate([torch.ones(1)])
     finally:
         tdx.configure(**previous)
     assert not tdx.is_donated(t)
+    assert [w.filename for w in caught] == [__file__]
 
 
 # -- nn.Module ---------------------------------------------------------------

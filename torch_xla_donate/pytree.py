@@ -43,11 +43,12 @@ line of user code that called ``donate`` (or a ``donating`` function), not at
 this module.
 """
 import sys
+import warnings
 
 import torch
 import torch.utils._pytree as pytree
 
-from . import _C, _xla, api
+from . import _C, _xla, api, config
 from .errors import DonatedBufferError
 
 __all__ = ["donate"]
@@ -87,6 +88,9 @@ def _donate_named(named_trees, where) -> int:
     # Checked: now mark.  A failure here is unexpected (torch_xla refusing a
     # tensor that passed every check); undo this call's marks so that the
     # promise "nothing marked" holds anyway.
+    if leaves and not (config.enabled() and _xla.aliasing_enabled()):
+        _mark_while_switched_off(leaves, where)
+        return 0
     newly_marked = []
     try:
         for path, tensor in leaves:
@@ -99,6 +103,18 @@ def _donate_named(named_trees, where) -> int:
             api.undonate(tensor)
         raise
     return sum(1 for _, tensor in leaves if _C.is_marked(tensor))
+
+
+def _mark_while_switched_off(leaves, where) -> None:
+    """Lets ``_mark`` give its once-per-reason ``DonationDisabledWarning``, but
+    re-issued at the user's line: ``_mark`` aims it at ``donate_buffer``'s
+    caller, which here is this module."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for path, tensor in leaves:
+            _checked(path, api._mark, tensor, where)
+    for warning in caught:
+        warnings.warn(warning.message, warning.category, stacklevel=_user_stacklevel())
 
 
 def _checked(path, check, *args):
@@ -192,13 +208,27 @@ def _root_label(tree) -> str:
 _INTERNAL_MODULES = ("torch_xla_donate", "torch_xla", "contextlib", "functools")
 
 
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning issued by the caller point at
+    the user's line."""
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and _is_internal(frame):
+        level += 1
+        frame = frame.f_back
+    return level
+
+
+def _is_internal(frame) -> bool:
+    module = frame.f_globals.get("__name__", "")
+    return any(module == m or module.startswith(m + ".") for m in _INTERNAL_MODULES)
+
+
 def _user_site():
     """(file, line) of the innermost frame outside the plugin and torch_xla:
     the line messages about a donation should point at."""
     frame = sys._getframe(1)
     while frame is not None:
-        module = frame.f_globals.get("__name__", "")
-        if not any(module == m or module.startswith(m + ".") for m in _INTERNAL_MODULES):
+        if not _is_internal(frame):
             return frame.f_code.co_filename, frame.f_lineno
         frame = frame.f_back
     return "<unknown>", 0
