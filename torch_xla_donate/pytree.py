@@ -85,12 +85,12 @@ def _donate_named(named_trees, where) -> int:
     leaves = _tensor_leaves(named_trees)
     for path, tensor in leaves:
         _checked(path, api._check_donatable, tensor)
-    # Checked: now mark.  A failure here is unexpected (torch_xla refusing a
-    # tensor that passed every check); undo this call's marks so that the
-    # promise "nothing marked" holds anyway.
     if leaves and not (config.enabled() and _xla.aliasing_enabled()):
         _mark_while_switched_off(leaves, where)
         return 0
+    # Checked: now mark.  A failure here is unexpected (torch_xla refusing a
+    # tensor that passed every check); undo this call's marks so that the
+    # promise "nothing marked" holds anyway.
     newly_marked = []
     try:
         for path, tensor in leaves:
