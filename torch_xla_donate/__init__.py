@@ -5,12 +5,13 @@
     params = params - lr * grads
     xm.mark_step()                  # the new params reuse the old buffer
 
-Importing the package hooks torch_xla's step barrier and installs
-``torch_xla._XLAC.donate_buffer``.
+Importing the package hooks torch_xla's step barrier, installs
+``torch_xla._XLAC.donate_buffer`` and guards ``gradient_accumulation``
+against donated model parameters (see ``integrations``).
 """
 import torch_xla
 
-from . import _C, step_hook
+from . import _C, integrations, step_hook
 from .api import donate_buffer, is_deleted, is_donated, undonate
 from .config import configure
 from .donating import donating
@@ -22,6 +23,7 @@ from .errors import (
     UnusedDonationError,
     UnusedDonationWarning,
 )
+from .integrations import ParameterDonationError
 
 __all__ = [
     "donate_buffer",
@@ -36,7 +38,9 @@ __all__ = [
     "UnusedDonationError",
     "DroppedDonationWarning",
     "DonationDisabledWarning",
+    "ParameterDonationError",
 ]
 
 step_hook.install()
+integrations.install()
 torch_xla._XLAC.donate_buffer = donate_buffer

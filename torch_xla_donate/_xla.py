@@ -7,6 +7,7 @@ import os
 
 import torch
 import torch_xla
+import torch_xla.runtime
 
 _XLAC = torch_xla._XLAC
 
@@ -48,10 +49,41 @@ def storage_use_count(t: torch.Tensor) -> int:
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 
-def wait_device_ops() -> None:
-    """Blocks until every dispatched computation has run; only after this is
-    a donated input's deletion certain to be visible."""
-    _XLAC._xla_wait_device_ops([])
+def wait_device_ops(device=None) -> None:
+    """Blocks until the computations dispatched to ``device`` (a torch device
+    of a tensor; None: every local device) have run; only after this is a
+    donated input's deletion certain to be visible.
+
+    Why one device: with ``torch_xla.launch`` every local device has its own
+    thread, and a step of another device may sit in a collective until its
+    thread reaches its next barrier; waiting for it would deadlock.
+    """
+    if device is None or local_device_count() == 1:
+        _XLAC._xla_wait_device_ops([])
+    else:
+        _XLAC._xla_wait_device_ops(_XLAC._xla_real_devices([str(device)]))
+
+
+def spmd() -> bool:
+    """True once ``torch_xla.runtime.use_spmd()`` switched SPMD on."""
+    return torch_xla.runtime.is_spmd()
+
+
+def default_device() -> torch.device:
+    """The calling thread's XLA device: the one its barriers sync."""
+    return torch.device(_XLAC._xla_get_default_device())
+
+
+_local_device_count = None
+
+
+def local_device_count() -> int:
+    """How many runtime devices this process drives (1 under SPMD, whose
+    tensors all live on one virtual device).  Fixed once the runtime is up."""
+    global _local_device_count
+    if _local_device_count is None:
+        _local_device_count = len(_XLAC._xla_get_all_devices())
+    return _local_device_count
 
 
 def aliasing_enabled() -> bool:

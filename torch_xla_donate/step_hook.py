@@ -22,10 +22,17 @@ Around the real barrier:
 The torch_xla donor flag of every committed tensor is cleared as soon as its
 step's graph is built: a flag the step did not use would otherwise stay armed
 and fire at some later, unrelated step.
+
+Several devices in one process (``torch_xla.launch`` runs one thread per
+local device): a barrier syncs only its own device, so it commits only the
+marks on that device and judges only that device's open verdicts; see
+"Several devices" below.
 """
 import sys
 import threading
 import warnings
+
+import torch
 
 from . import _C, _xla, config, poison
 from .errors import DroppedDonationWarning, UnusedDonationError, UnusedDonationWarning
@@ -65,8 +72,10 @@ def _step_marker(device="", devices=(), wait=True, reset_scope=True):
     with _lock:
         if _is_compile_prologue():
             return _flush_keeping_marks(device, devices, wait, reset_scope)
-        _in_flight = _settle(_in_flight, certain=False)
-        step, tensors, records = _C.begin_step()
+        here = _barrier_device(device)
+        mine, others = _split_by_device(_in_flight, here)
+        _in_flight = _settle(mine, certain=False) + others
+        step, tensors, records = _begin_step_on(here)
         donors = _drop_unsafe(tensors, records)
         try:
             _real_step_marker(device, devices, wait=wait, reset_scope=reset_scope)
@@ -76,11 +85,12 @@ def _step_marker(device="", devices=(), wait=True, reset_scope=True):
         for t, record in donors:
             _xla.set_donor(t, False)  # the donor set is fixed; see module doc
             poison.poison(t, record)
-        # This barrier could not start before the previous step was
-        # dispatched, so the earlier verdicts are certain now; this step's
-        # are certain only if we waited for it.
-        earlier, _in_flight = _in_flight, donors
-        _in_flight = _settle(earlier, certain=True) + _settle(donors, certain=wait)
+        # This barrier could not start before the previous step of its
+        # device was dispatched, so the earlier verdicts of this device are
+        # certain now; this step's are certain only if we waited for it.
+        earlier, others = _split_by_device(_in_flight, here)
+        _in_flight = others + donors
+        _in_flight = others + _settle(earlier, certain=True) + _settle(donors, certain=wait)
 
 
 def _drop_unsafe(tensors, records):
@@ -138,8 +148,13 @@ def _settle_one(t) -> None:
         record = poison.donation_record(t)
         if record.verdict != _C.Verdict.IN_FLIGHT:
             return
-        if not _xla.buffer_deleted(t):
-            _xla.wait_device_ops()
+        deleted = _xla.buffer_deleted(t)
+    if not deleted:
+        # Never wait while holding the lock: see "Several devices".
+        _xla.wait_device_ops(t.device)
+    with _lock:
+        if record.verdict != _C.Verdict.IN_FLIGHT:
+            return  # settled by a barrier while we waited
         if _xla.buffer_deleted(t):
             _C.settle(record, _C.Verdict.CONSUMED)
         else:
@@ -151,9 +166,10 @@ def settle_in_flight() -> None:
     """Settles every open verdict, waiting for the device if needed."""
     global _in_flight
     with _lock:
-        if _in_flight:
-            _xla.wait_device_ops()
-            entries, _in_flight = _in_flight, []
+        entries, _in_flight = _in_flight, []
+    if entries:
+        _xla.wait_device_ops()  # outside the lock: see "Several devices"
+        with _lock:
             _settle(entries, certain=True)
 
 
@@ -217,6 +233,56 @@ def _flush_keeping_marks(device, devices, wait, reset_scope):
     finally:
         for t in marked:
             _xla.set_donor(t, True)
+
+
+# -- Several devices ----------------------------------------------------------
+#
+# ``torch_xla.launch`` (``xmp.spawn``) on CPU or GPU runs one thread per local
+# device in one process, and each thread's barrier syncs only the tensors of
+# its own device.  So a barrier commits only the marks on its device (the
+# others wait for their own thread's barrier), and is certain only about the
+# open verdicts of its device.  No code here waits for a device while holding
+# ``_lock``: the step of another device may sit in a collective (all_reduce)
+# until that device's thread has passed its own barrier, which takes the lock.
+
+
+def _barrier_device(device: str):
+    return torch.device(device) if device else _xla.default_device()
+
+
+def _split_by_device(entries, device):
+    """(in-flight entries on ``device``, the others)."""
+    if _xla.local_device_count() == 1:
+        return entries, []
+    mine = [e for e in entries if e[0].device == device]
+    return mine, [e for e in entries if e[0].device != device]
+
+
+def _begin_step_on(device):
+    """``_C.begin_step()`` for the marks on ``device`` only.
+
+    The ledger commits every mark, so the marks of other devices are taken
+    out around the commit and put back with their original file:line.
+    """
+    held = []
+    if _xla.local_device_count() > 1:
+        for t in _C.marked_tensors():
+            if t.device != device:
+                record = _C.unmark(t)
+                if record is not None:
+                    held.append((t, record))
+    try:
+        committed = _C.begin_step()
+    finally:
+        for t, r in held:
+            _C.mark(t, r.file, r.line, r.shape, r.dtype, r.nbytes)
+    if _xla.spmd():
+        # ``xs.mark_sharding(t, ...)`` after ``donate_buffer(t)`` moves t's
+        # value into new sharded device data, which lacks the donor flag the
+        # old data had: set it again, so the mark means t's current buffer.
+        for t in committed[1]:
+            _xla.set_donor(t, True)
+    return committed
 
 
 def _user_stacklevel() -> int:
