@@ -11,9 +11,12 @@ EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
 
 def _run(name, *args) -> str:
+    env = dict(os.environ, PJRT_DEVICE="CPU")
+    # The package from this checkout, installed or not.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(EXAMPLES.parent), env.get("PYTHONPATH")]))
     proc = subprocess.run(
         [sys.executable, str(EXAMPLES / name), *args],
-        env=dict(os.environ, PJRT_DEVICE="CPU"),
+        env=env,
         capture_output=True,
         text=True,
         timeout=300,

@@ -15,8 +15,11 @@ import os
 import subprocess
 import sys
 
+import pathlib
+
 import pytest
 
+REPO = pathlib.Path(__file__).resolve().parent.parent
 STEPS = 6
 
 _CODE = r"""
@@ -89,6 +92,8 @@ def report(tmp_path_factory):
     script = tmp_path_factory.mktemp("launch") / "launch_replicas.py"
     script.write_text(_CODE)
     env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="2")
+    # The package from this checkout, installed or not.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"subprocess failed:\n{proc.stdout}\n{proc.stderr}"
     lines = proc.stdout.splitlines()
