@@ -1,12 +1,12 @@
 """Donation around torch_xla's loop helpers: ``scan`` and ``gradient_accumulation``.
 
-Both helpers stage their whole loop as one lazy node (an XLA ``While`` built
-with ``_xla_user_computation``): calling them runs nothing yet, the loop runs
-at the next step barrier together with the rest of the step.  So marks made
-before the call are committed by that barrier, like any other, and the
-tensors XLA consumed are poisoned after it.  Neither helper needs, or should
-get, a barrier of its own: judging the marks when the call returns would find
-every buffer still alive and call each donation unused before the loop ran.
+Both helpers stage their loop as one lazy node (an XLA ``While`` built with
+``_xla_user_computation``): the loop runs at the next step barrier, together
+with the rest of the step.  So marks made before the call are committed by
+that barrier, like any other, and the tensors XLA consumed are poisoned after
+it.  Neither helper needs, or should get, a barrier of its own: judging the
+marks when the call returns would find every buffer still alive and call each
+donation unused before the loop ran.
 
 * ``torch_xla.experimental.scan.scan``: donating the initial carry lets the
   final carry take its buffer, step after step when the carry is fed back.
