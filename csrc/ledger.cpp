@@ -53,11 +53,12 @@ RecordPtr Ledger::Unmark(const py::handle& tensor) {
     if (it == index_.end()) return nullptr;
     size_t slot = it->second;
     index_.erase(it);
+    // Leave an empty slot (a tombstone) so that the other slots, and marking
+    // order, stay as they are: undoing many marks (an all-or-nothing pytree
+    // donation that failed) stays linear.  Compact once tombstones dominate.
     removed = std::move(marks_[slot]);
-    // Keep marking order for the rest: shift the tail down by one.  Unmarking
-    // is rare, marking and committing are the hot paths.
-    marks_.erase(marks_.begin() + static_cast<long>(slot));
-    for (size_t i = slot; i < marks_.size(); ++i) index_[marks_[i].tensor.ptr()] = i;
+    marks_[slot] = Mark_{};
+    if (marks_.size() > 64 && index_.size() < marks_.size() / 2) CompactLocked();
     removed.record->verdict = Verdict::kCancelled;
   }
   // Dropping the last reference to a tensor can run arbitrary Python code
@@ -74,13 +75,25 @@ std::vector<py::object> Ledger::MarkedTensors() const {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<py::object> out;
   out.reserve(marks_.size());
-  for (const auto& m : marks_) out.push_back(m.tensor);
+  for (const auto& m : marks_)
+    if (m.record) out.push_back(m.tensor);
   return out;
 }
 
 size_t Ledger::MarkedCount() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return marks_.size();
+  return index_.size();
+}
+
+void Ledger::CompactLocked() {
+  size_t live = 0;
+  for (size_t i = 0; i < marks_.size(); ++i) {
+    if (!marks_[i].record) continue;  // tombstones hold no tensor: no decref
+    if (live != i) marks_[live] = std::move(marks_[i]);
+    index_[marks_[live].tensor.ptr()] = live;
+    ++live;
+  }
+  marks_.resize(live);
 }
 
 int64_t Ledger::BeginStep(std::vector<py::object>* tensors,
@@ -95,6 +108,7 @@ int64_t Ledger::BeginStep(std::vector<py::object>* tensors,
     StepStats stats;
     stats.step = step;
     for (auto& m : marks) {
+      if (!m.record) continue;  // unmarked: a tombstone
       m.record->step = step;
       m.record->verdict = Verdict::kInFlight;
       stats.donated += 1;
@@ -104,6 +118,9 @@ int64_t Ledger::BeginStep(std::vector<py::object>* tensors,
     totals_.donated += stats.donated;
     totals_.donated_bytes += stats.donated_bytes;
     if (stats.donated) {
+      stats.steps = 1;
+      totals_.steps += 1;
+      ++generation_;
       history_.push_back(std::move(stats));
       while (history_.size() > kHistorySteps) history_.pop_front();
     }
@@ -111,6 +128,7 @@ int64_t Ledger::BeginStep(std::vector<py::object>* tensors,
   tensors->reserve(marks.size());
   records->reserve(marks.size());
   for (auto& m : marks) {
+    if (!m.record) continue;
     tensors->push_back(std::move(m.tensor));
     records->push_back(std::move(m.record));
   }
@@ -127,6 +145,7 @@ void Ledger::Settle(const RecordPtr& record, Verdict verdict) {
   std::lock_guard<std::mutex> lock(mu_);
   if (record->verdict != Verdict::kInFlight) return;  // settled once only
   record->verdict = verdict;
+  ++generation_;
   StepStats* stats = FindStatsLocked(record->step);
   for (StepStats* s : {stats, &totals_}) {
     if (!s) continue;
@@ -140,9 +159,19 @@ void Ledger::Settle(const RecordPtr& record, Verdict verdict) {
         s->unused_bytes += record->nbytes;
         if (s != &totals_) s->unused_shapes.push_back(record->ShapeString());
         break;
-      case Verdict::kUpdatedInPlace: s->updated_in_place += 1; break;
+      case Verdict::kUpdatedInPlace:
+        s->updated_in_place += 1;
+        s->updated_in_place_bytes += record->nbytes;
+        break;
+      case Verdict::kCancelled:  // only a barrier settles a committed mark so
+        s->dropped += 1;         // (undonate() before the step never does)
+        s->dropped_bytes += record->nbytes;
+        break;
       case Verdict::kStepFailed:
-      case Verdict::kDisabled: s->failed += 1; break;
+      case Verdict::kDisabled:
+        s->failed += 1;
+        s->failed_bytes += record->nbytes;
+        break;
       default: break;
     }
   }
@@ -174,6 +203,18 @@ StepStats Ledger::Totals() const {
   return totals_;
 }
 
+std::vector<StepStats> Ledger::History(int64_t since) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto first = history_.begin();
+  while (first != history_.end() && first->step < since) ++first;
+  return std::vector<StepStats>(first, history_.end());
+}
+
+int64_t Ledger::generation() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return generation_;
+}
+
 void Ledger::Reset() {
   std::vector<Mark_> dropped;
   {
@@ -182,6 +223,7 @@ void Ledger::Reset() {
     index_.clear();
     history_.clear();
     totals_ = StepStats();
+    ++generation_;
   }
 }
 

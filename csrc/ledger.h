@@ -61,8 +61,11 @@ struct StepStats {
   int64_t donated = 0, donated_bytes = 0;
   int64_t consumed = 0, consumed_bytes = 0;
   int64_t unused = 0, unused_bytes = 0;
-  int64_t updated_in_place = 0;
-  int64_t failed = 0;
+  int64_t updated_in_place = 0, updated_in_place_bytes = 0;
+  // Dropped at the barrier: a view or alias appeared after marking.
+  int64_t dropped = 0, dropped_bytes = 0;
+  int64_t failed = 0, failed_bytes = 0;
+  int64_t steps = 0;  // in the totals: how many steps committed donations
   std::vector<std::string> unused_shapes;
   bool settled() const { return pending == 0; }
   int64_t pending = 0;  // donations of this step without a final verdict
@@ -98,6 +101,12 @@ class Ledger {
   // Stats of `step`, or of the newest step when step < 0.  False if unknown.
   bool Stats(int64_t step, StepStats* out) const;
   StepStats Totals() const;
+  // The stats of the steps in the history window numbered `since` or
+  // later, oldest first.
+  std::vector<StepStats> History(int64_t since = 0) const;
+  // Changes whenever a step commits donations, a verdict is settled or the
+  // ledger is reset: observers poll it to skip work when nothing happened.
+  int64_t generation() const;
   void Reset();
 
  private:
@@ -106,11 +115,13 @@ class Ledger {
     RecordPtr record;
   };
   StepStats* FindStatsLocked(int64_t step);
+  void CompactLocked();  // drops the tombstones Unmark leaves in marks_
 
   mutable std::mutex mu_;
   int64_t next_id_ = 1;
   int64_t step_ = 0;  // number of step barriers that committed marks
-  std::vector<Mark_> marks_;                      // in marking order
+  int64_t generation_ = 0;
+  std::vector<Mark_> marks_;  // in marking order; unmarked slots are empty
   std::unordered_map<PyObject*, size_t> index_;   // tensor -> slot in marks_
   std::deque<StepStats> history_;
   StepStats totals_;

@@ -1,9 +1,26 @@
-// torch_xla_donate._C: Python bindings of the donation ledger.
+// torch_xla_donate._C: Python bindings of the donation ledger, and the
+// per-tensor hot path of marking and of the step barrier.
 //
-// Only the ledger lives here.  The calls into torch_xla go through
-// torch_xla._XLAC from Python: its wheel exports no C++ symbols to link.
+// The ledger knows nothing about torch_xla.  The hot path does ask torch_xla
+// questions, but only through Python callables that torch_xla_donate._xla
+// hands over at import (`bind`): torch_xla's wheel exports no C++ symbols to
+// link against, and keeping every torch_xla call named in _xla.py keeps an
+// upgrade's breakage in one place.  What C++ saves is the interpreter work
+// around those calls: with thousands of donated tensors per step, a Python
+// loop costs more than the torch_xla calls it makes.
+//
+// Records are a small native type rather than a pybind11 class: a step
+// creates one Python object per donation, and a pybind11 instance costs
+// several times more to create and to read (`record.verdict`).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+
+#include <cctype>
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <new>
+#include <unordered_map>
 
 #include "ledger.h"
 
@@ -11,6 +28,582 @@ namespace py = pybind11;
 using namespace torch_xla_donate;
 
 namespace {
+
+constexpr int kVerdictCount = static_cast<int>(Verdict::kDisabled) + 1;
+
+// The members of the Python IntEnum `_C.Verdict`, by value.  An IntEnum
+// compares as an int, so `record.verdict != Verdict.IN_FLIGHT` is cheap.
+PyObject* g_verdicts[kVerdictCount] = {};
+
+PyObject* VerdictObject(Verdict v) {
+  PyObject* o = g_verdicts[static_cast<int>(v)];
+  Py_INCREF(o);
+  return o;
+}
+
+// ---------------------------------------------------------------------------
+// Record: the Python face of one ledger record.
+
+struct PyRecord {
+  PyObject_HEAD
+  RecordPtr record;
+};
+
+PyTypeObject* g_record_type = nullptr;
+
+const Record& R(PyObject* self) { return *reinterpret_cast<PyRecord*>(self)->record; }
+
+PyObject* WrapRecord(RecordPtr record) {
+  PyObject* o = g_record_type->tp_alloc(g_record_type, 0);
+  if (!o) return nullptr;
+  new (&reinterpret_cast<PyRecord*>(o)->record) RecordPtr(std::move(record));
+  return o;
+}
+
+bool IsRecord(PyObject* o) { return Py_TYPE(o) == g_record_type; }
+
+const RecordPtr& Unwrap(PyObject* o) { return reinterpret_cast<PyRecord*>(o)->record; }
+
+void RecordDealloc(PyObject* self) {
+  reinterpret_cast<PyRecord*>(self)->record.~RecordPtr();
+  PyTypeObject* type = Py_TYPE(self);
+  type->tp_free(self);
+  Py_DECREF(type);  // instances of a heap type own a reference to it
+}
+
+PyObject* RecordRepr(PyObject* self) {
+  const Record& r = R(self);
+  std::string s = "<donation #" + std::to_string(r.id) + " " + r.ShapeString() +
+                  " at " + r.Where() + " step=" + std::to_string(r.step) + " " +
+                  VerdictName(r.verdict) + ">";
+  return PyUnicode_FromStringAndSize(s.data(), static_cast<Py_ssize_t>(s.size()));
+}
+
+PyObject* Str(const std::string& s) {
+  return PyUnicode_FromStringAndSize(s.data(), static_cast<Py_ssize_t>(s.size()));
+}
+
+PyObject* GetId(PyObject* self, void*) { return PyLong_FromLongLong(R(self).id); }
+PyObject* GetStep(PyObject* self, void*) { return PyLong_FromLongLong(R(self).step); }
+PyObject* GetFile(PyObject* self, void*) { return Str(R(self).file); }
+PyObject* GetLine(PyObject* self, void*) { return PyLong_FromLong(R(self).line); }
+PyObject* GetDtype(PyObject* self, void*) { return Str(R(self).dtype); }
+PyObject* GetNbytes(PyObject* self, void*) { return PyLong_FromLongLong(R(self).nbytes); }
+PyObject* GetVerdict(PyObject* self, void*) { return VerdictObject(R(self).verdict); }
+PyObject* GetShapeString(PyObject* self, void*) { return Str(R(self).ShapeString()); }
+PyObject* GetWhere(PyObject* self, void*) { return Str(R(self).Where()); }
+
+PyObject* GetShape(PyObject* self, void*) {
+  const auto& shape = R(self).shape;
+  PyObject* t = PyTuple_New(static_cast<Py_ssize_t>(shape.size()));
+  if (!t) return nullptr;
+  for (size_t i = 0; i < shape.size(); ++i) {
+    PyObject* d = PyLong_FromLongLong(shape[i]);
+    if (!d) {
+      Py_DECREF(t);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(t, static_cast<Py_ssize_t>(i), d);
+  }
+  return t;
+}
+
+PyGetSetDef kRecordGetters[] = {
+    {"id", GetId, nullptr, "Unique number of this donation.", nullptr},
+    {"step", GetStep, nullptr, "The step barrier that committed it (-1: not yet).", nullptr},
+    {"file", GetFile, nullptr, "File of the donate_buffer call.", nullptr},
+    {"line", GetLine, nullptr, "Line of the donate_buffer call.", nullptr},
+    {"shape", GetShape, nullptr, "Shape of the donated tensor.", nullptr},
+    {"dtype", GetDtype, nullptr, "XLA-style dtype name (f32, bf16, s64, ...).", nullptr},
+    {"nbytes", GetNbytes, nullptr, "Size of the donated buffer in bytes.", nullptr},
+    {"verdict", GetVerdict, nullptr, "What became of the donation (Verdict).", nullptr},
+    {"shape_string", GetShapeString, nullptr, "e.g. 'f32[4,4]'.", nullptr},
+    {"where", GetWhere, nullptr, "'file:line' of the donate_buffer call.", nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr},
+};
+
+PyType_Slot kRecordSlots[] = {
+    {Py_tp_dealloc, reinterpret_cast<void*>(RecordDealloc)},
+    {Py_tp_repr, reinterpret_cast<void*>(RecordRepr)},
+    {Py_tp_getset, kRecordGetters},
+    {Py_tp_doc, const_cast<char*>("One donation: where it was made, of what, and its verdict.")},
+    {0, nullptr},
+};
+
+PyType_Spec kRecordSpec = {
+    "torch_xla_donate._C.Record",
+    sizeof(PyRecord),
+    0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    kRecordSlots,
+};
+
+py::object RecordOrNone(RecordPtr r) {
+  if (!r) return py::none();
+  PyObject* o = WrapRecord(std::move(r));
+  if (!o) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(o);
+}
+
+// ---------------------------------------------------------------------------
+// The hot path's view of torch and torch_xla: callables bound at import.
+
+struct Hooks {
+  PyObject* tensor_type = nullptr;        // torch.Tensor
+  PyObject* set_donor = nullptr;          // (tensor, bool) -> bool
+  PyObject* buffer_deleted = nullptr;     // tensor -> bool
+  PyObject* need_materialization = nullptr;  // [tensor] -> [bool]
+  PyObject* storage_use_count = nullptr;  // storage._cdata -> int
+  PyObject* dtype_info = nullptr;         // dtype -> (xla name, itemsize)
+  PyObject* donated_type = nullptr;       // poison._DonatedTensor
+  PyObject* state_attr = nullptr;         // poison._STATE
+  PyObject* poison_class_for = nullptr;   // type -> poisoned twin
+
+  bool torch_bound() const {
+    return tensor_type && set_donor && buffer_deleted && need_materialization &&
+           storage_use_count && dtype_info;
+  }
+  bool poison_bound() const { return donated_type && state_attr && poison_class_for; }
+};
+
+Hooks g_hooks;
+
+// Where c10's intrusive refcount sits inside a StorageImpl, when _xla.py
+// found it where torch puts it (-1: unknown).  Reading it directly is what
+// torch._C._storage_Use_Count does, minus a pybind11 call (~0.35 us, twice
+// per donated tensor per step).  The first reading on a real tensor is
+// checked once more against _storage_Use_Count.
+long g_refcount_offset = -1;
+bool g_refcount_checked = false;
+
+struct Names {
+  PyObject *is_xla, *is_view, *shape, *dtype, *untyped_storage, *cdata, *klass,
+      *co_filename;
+};
+Names g_names;
+
+struct DtypeInfo {
+  std::string name;
+  int64_t itemsize;
+};
+// Keyed by the dtype object (torch dtypes are singletons); the map holds a
+// reference to each key so an address is never reused for another dtype.
+std::unordered_map<PyObject*, DtypeInfo> g_dtypes;
+std::unordered_map<PyTypeObject*, PyObject*> g_poison_classes;
+
+// 1 / 0 for the truth of `o` (a new reference, consumed), -1 on error.
+int Truth(PyObject* o) {
+  if (!o) return -1;
+  int r = PyObject_IsTrue(o);
+  Py_DECREF(o);
+  return r;
+}
+
+int IsXla(PyObject* t) { return Truth(PyObject_GetAttr(t, g_names.is_xla)); }
+int IsView(PyObject* t) { return Truth(PyObject_CallMethodNoArgs(t, g_names.is_view)); }
+int BufferDeleted(PyObject* t) { return Truth(PyObject_CallOneArg(g_hooks.buffer_deleted, t)); }
+
+int SetDonor(PyObject* t, bool donate) {
+  PyObject* args[2] = {t, donate ? Py_True : Py_False};
+  return Truth(PyObject_Vectorcall(g_hooks.set_donor, args, 2, nullptr));
+}
+
+// torch._C._storage_Use_Count(t.untyped_storage()._cdata), as _xla.py's
+// storage_use_count: 1 unless views or aliases of t are alive.  -1 on error.
+// As in that Python expression, the temporary storage object is gone before
+// the count is read (it holds a reference of its own); `t` keeps the
+// storage itself alive.
+long StorageUseCount(PyObject* t) {
+  PyObject* storage = PyObject_CallMethodNoArgs(t, g_names.untyped_storage);
+  if (!storage) return -1;
+  PyObject* cdata = PyObject_GetAttr(storage, g_names.cdata);
+  Py_DECREF(storage);
+  if (!cdata) return -1;
+  long direct = -1;
+  if (g_refcount_offset >= 0) {
+    auto address = static_cast<uintptr_t>(PyLong_AsUnsignedLongLong(cdata));
+    if (PyErr_Occurred()) {
+      Py_DECREF(cdata);
+      return -1;
+    }
+    direct = static_cast<long>(
+        reinterpret_cast<const std::atomic<uint32_t>*>(address + g_refcount_offset)
+            ->load(std::memory_order_acquire));
+    if (g_refcount_checked) {
+      Py_DECREF(cdata);
+      return direct;
+    }
+  }
+  PyObject* n = PyObject_CallOneArg(g_hooks.storage_use_count, cdata);
+  Py_DECREF(cdata);
+  if (!n) return -1;
+  long count = PyLong_AsLong(n);
+  Py_DECREF(n);
+  if (g_refcount_offset >= 0 && count != -1) {
+    g_refcount_checked = true;
+    if (count != direct) g_refcount_offset = -1;  // not where we thought: never again
+  }
+  return count;
+}
+
+// Does `t` hold pending computation?  One-element form of
+// _xla.has_pending_ir.  1 / 0, -1 on error.
+int HasPendingIr(PyObject* t) {
+  PyObject* list = PyList_New(1);
+  if (!list) return -1;
+  Py_INCREF(t);
+  PyList_SET_ITEM(list, 0, t);
+  PyObject* flags = PyObject_CallOneArg(g_hooks.need_materialization, list);
+  Py_DECREF(list);
+  if (!flags) return -1;
+  PyObject* first = PySequence_GetItem(flags, 0);
+  Py_DECREF(flags);
+  return Truth(first);
+}
+
+const DtypeInfo* LookupDtype(PyObject* dtype) {
+  auto it = g_dtypes.find(dtype);
+  if (it != g_dtypes.end()) return &it->second;
+  PyObject* info = PyObject_CallOneArg(g_hooks.dtype_info, dtype);
+  if (!info) return nullptr;
+  DtypeInfo d;
+  PyObject *name = nullptr, *size = nullptr;
+  bool ok = PyTuple_Check(info) && PyTuple_GET_SIZE(info) == 2 &&
+            PyUnicode_Check(name = PyTuple_GET_ITEM(info, 0)) &&
+            PyLong_Check(size = PyTuple_GET_ITEM(info, 1));
+  if (ok) {
+    d.name = PyUnicode_AsUTF8(name);
+    d.itemsize = PyLong_AsLongLong(size);
+  }
+  Py_DECREF(info);
+  if (!ok) {
+    PyErr_SetString(PyExc_TypeError, "dtype_info must return (str, int)");
+    return nullptr;
+  }
+  Py_INCREF(dtype);
+  return &g_dtypes.emplace(dtype, std::move(d)).first->second;
+}
+
+// Shape, XLA dtype name and byte size of `t`, as api._mark records them.
+// 1 ok, 0 unusual (a symbolic size: let the Python path handle it), -1 error.
+int Describe(PyObject* t, std::vector<int64_t>* shape, std::string* dtype, int64_t* nbytes) {
+  PyObject* size = PyObject_GetAttr(t, g_names.shape);
+  if (!size) return -1;
+  int result = 1;
+  int64_t numel = 1;
+  if (!PyTuple_Check(size)) {
+    result = 0;
+  } else {
+    Py_ssize_t n = PyTuple_GET_SIZE(size);
+    shape->reserve(static_cast<size_t>(n));
+    for (Py_ssize_t i = 0; i < n && result == 1; ++i) {
+      PyObject* d = PyTuple_GET_ITEM(size, i);
+      if (!PyLong_CheckExact(d)) {
+        result = 0;
+        break;
+      }
+      int64_t v = PyLong_AsLongLong(d);
+      shape->push_back(v);
+      numel *= v;
+    }
+  }
+  Py_DECREF(size);
+  if (result != 1) return result;
+  PyObject* dt = PyObject_GetAttr(t, g_names.dtype);
+  if (!dt) return -1;
+  const DtypeInfo* info = LookupDtype(dt);
+  Py_DECREF(dt);
+  if (!info) return -1;
+  *dtype = info->name;
+  *nbytes = numel * info->itemsize;
+  return 1;
+}
+
+// The (file, line) to blame: `where` is either such a tuple, or a number of
+// frames to go up from the Python function that called into _C (1: its
+// caller), as api._caller does with sys._getframe.
+bool ResolveWhere(PyObject* where, std::string* file, int* line) {
+  if (PyLong_Check(where)) {
+    long depth = PyLong_AsLong(where);
+    PyFrameObject* frame = PyEval_GetFrame();  // borrowed
+    Py_XINCREF(frame);
+    for (long i = 0; i < depth && frame; ++i) {
+      PyFrameObject* back = PyFrame_GetBack(frame);
+      Py_DECREF(frame);
+      frame = back;
+    }
+    if (!frame) {
+      *file = "<unknown>";
+      *line = 0;
+      return true;
+    }
+    *line = PyFrame_GetLineNumber(frame);
+    PyCodeObject* code = PyFrame_GetCode(frame);
+    Py_DECREF(frame);
+    PyObject* name = PyObject_GetAttr(reinterpret_cast<PyObject*>(code), g_names.co_filename);
+    Py_DECREF(code);
+    if (!name) return false;
+    const char* s = PyUnicode_AsUTF8(name);
+    if (s) *file = s;
+    Py_DECREF(name);
+    return s != nullptr;
+  }
+  if (PyTuple_Check(where) && PyTuple_GET_SIZE(where) == 2) {
+    const char* s = PyUnicode_AsUTF8(PyTuple_GET_ITEM(where, 0));
+    if (!s) return false;
+    long l = PyLong_AsLong(PyTuple_GET_ITEM(where, 1));
+    if (l == -1 && PyErr_Occurred()) return false;
+    *file = s;
+    *line = static_cast<int>(l);
+    return true;
+  }
+  PyErr_SetString(PyExc_TypeError, "where must be (file, line) or a frame depth");
+  return false;
+}
+
+// Mirrors poison.poison(t, record): the record goes into t's __dict__ and t
+// takes the donated twin of its class.  0 ok, -1 error.
+int Poison(PyObject* t, PyObject* record) {
+  if (PyObject_GenericSetAttr(t, g_hooks.state_attr, record) < 0) return -1;
+  if (PyObject_TypeCheck(t, reinterpret_cast<PyTypeObject*>(g_hooks.donated_type))) return 0;
+  PyTypeObject* type = Py_TYPE(t);
+  PyObject* twin;
+  auto it = g_poison_classes.find(type);
+  if (it != g_poison_classes.end()) {
+    twin = it->second;
+  } else {
+    twin = PyObject_CallOneArg(g_hooks.poison_class_for, reinterpret_cast<PyObject*>(type));
+    if (!twin) return -1;
+    Py_INCREF(type);  // keep the key alive: its address must not be reused
+    g_poison_classes.emplace(type, twin);
+  }
+  return PyObject_SetAttr(t, g_names.klass, twin);
+}
+
+bool IsTensor(PyObject* t) {
+  return PyObject_TypeCheck(t, reinterpret_cast<PyTypeObject*>(g_hooks.tensor_type));
+}
+bool IsDonatedType(PyObject* t) {
+  return g_hooks.donated_type &&
+         PyObject_TypeCheck(t, reinterpret_cast<PyTypeObject*>(g_hooks.donated_type));
+}
+
+// The checks of api._check_donatable that pass for an ordinary donation,
+// except the pending-IR one (see TryMark).  1 pass, 0 fail, -1 error.
+int CommonChecks(PyObject* t) {
+  if (!IsTensor(t) || IsDonatedType(t)) return 0;
+  int r = IsXla(t);
+  if (r != 1) return r;
+  r = IsView(t);
+  if (r != 0) return r < 0 ? -1 : 0;
+  return 1;
+}
+
+PyObject* FalseClearingErrors() {
+  PyErr_Clear();
+  Py_RETURN_FALSE;
+}
+
+// try_mark(tensor, where) -> bool
+//
+// The common case of api._mark in one call: True once `tensor` is marked.
+// False, having changed nothing, whenever anything is unusual (not a plain
+// materialized XLA tensor, views alive, already marked, donation switched
+// off by XLA_ENABLE_PARAM_ALIASING, a probe raised): the Python path then
+// redoes everything and gives the precise error or warning.
+//
+// torch_xla refuses the donor flag (returns False) for a tensor with pending
+// IR, so setting the flag doubles as the pending-computation check; it comes
+// last because it is the one step with an effect.
+PyObject* TryMark(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2) {
+    PyErr_SetString(PyExc_TypeError, "try_mark(tensor, where) takes 2 arguments");
+    return nullptr;
+  }
+  PyObject* t = args[0];
+  if (!g_hooks.torch_bound() || !g_hooks.poison_bound()) Py_RETURN_FALSE;
+  int r = CommonChecks(t);
+  if (r != 1) return FalseClearingErrors();
+  if (std::getenv("XLA_ENABLE_PARAM_ALIASING") != nullptr) Py_RETURN_FALSE;
+  if (GlobalLedger().IsMarked(py::handle(t))) Py_RETURN_FALSE;
+  if (StorageUseCount(t) != 1) return FalseClearingErrors();
+  std::string file, dtype;
+  int line = 0;
+  std::vector<int64_t> shape;
+  int64_t nbytes = 0;
+  if (!ResolveWhere(args[1], &file, &line)) return nullptr;  // caller's bug
+  if (Describe(t, &shape, &dtype, &nbytes) != 1) return FalseClearingErrors();
+  if (SetDonor(t, true) != 1) return FalseClearingErrors();
+  GlobalLedger().Mark(py::reinterpret_borrow<py::object>(t), std::move(file), line,
+                      std::move(shape), std::move(dtype), nbytes);
+  Py_RETURN_TRUE;
+}
+
+// is_donatable(tensor) -> bool: True if api._check_donatable would pass.
+// False means "ask the Python checks", which raise the precise error.
+PyObject* IsDonatable(PyObject*, PyObject* t) {
+  if (!g_hooks.torch_bound()) Py_RETURN_FALSE;
+  int r = CommonChecks(t);
+  if (r != 1) return FalseClearingErrors();
+  r = HasPendingIr(t);
+  if (r != 0) return FalseClearingErrors();
+  if (StorageUseCount(t) != 1) return FalseClearingErrors();
+  Py_RETURN_TRUE;
+}
+
+PyMethodDef kFastMethods[] = {
+    {"try_mark", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(TryMark)),
+     METH_FASTCALL,
+     "try_mark(tensor, where) -> bool\n\nMarks a plain materialized XLA tensor in "
+     "one call; False (nothing changed) when the Python path must decide."},
+    {"is_donatable", IsDonatable, METH_O,
+     "is_donatable(tensor) -> bool\n\nTrue when every check of donate_buffer "
+     "passes; False when the Python checks must say why not."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+// ---------------------------------------------------------------------------
+// Batch helpers of the step hook.  Each replaces one Python loop of
+// step_hook.py and does exactly what that loop did, entry by entry.
+
+void Check(bool ok) {
+  if (!ok) throw py::error_already_set();
+}
+
+void RequireBound() {
+  if (!g_hooks.torch_bound() || !g_hooks.poison_bound())
+    throw std::runtime_error("torch_xla_donate._C: hooks are not bound (import torch_xla_donate)");
+}
+
+const RecordPtr& RecordArg(PyObject* o) {
+  if (!IsRecord(o)) throw py::type_error("expected a torch_xla_donate._C.Record");
+  return Unwrap(o);
+}
+
+// Splits a committed step (`tensors`, `records`, with `pending`: which ones
+// hold pending IR) into donors and drops:
+//  * pending: updated in place after marking, an output: UPDATED_IN_PLACE;
+//  * views or aliases alive: donor flag cleared, CANCELLED, listed as dropped;
+//  * the rest stay donors, as (tensor, record) pairs.
+// Returns (donors, dropped records).
+py::tuple SplitCommitted(py::list tensors, py::list records, py::object pending) {
+  RequireBound();
+  py::list donors, dropped;
+  size_t n = tensors.size();
+  if (records.size() != n) throw py::value_error("tensors and records differ in length");
+  if (n == 0) return py::make_tuple(donors, dropped);
+  py::list flags = py::list(pending);
+  if (flags.size() != n) throw py::value_error("pending differs in length");
+  for (size_t i = 0; i < n; ++i) {
+    PyObject* t = PyList_GET_ITEM(tensors.ptr(), i);
+    PyObject* rec = PyList_GET_ITEM(records.ptr(), i);
+    const RecordPtr& record = RecordArg(rec);
+    int is_pending = PyObject_IsTrue(PyList_GET_ITEM(flags.ptr(), i));
+    Check(is_pending >= 0);
+    if (is_pending) {
+      GlobalLedger().Settle(record, Verdict::kUpdatedInPlace);
+      continue;
+    }
+    long uses = StorageUseCount(t);
+    Check(!(uses == -1 && PyErr_Occurred()));
+    if (uses > 1) {
+      Check(SetDonor(t, false) >= 0);
+      GlobalLedger().Settle(record, Verdict::kCancelled);
+      dropped.append(py::handle(rec));
+    } else {
+      donors.append(py::make_tuple(py::handle(t), py::handle(rec)));
+    }
+  }
+  return py::make_tuple(donors, dropped);
+}
+
+// After the real barrier: for each (tensor, record) donor, clear torch_xla's
+// donor flag (a flag the step did not use would fire at a later step) and
+// poison the tensor.  No verdict yet, even for a buffer that reads as deleted
+// already: while the step is being dispatched, XLA holds a donated buffer in
+// a way that reads as deleted, and gives it back if the step then fails
+// (measured: 3 runs in 300 of a step failing out of memory).  Only a
+// deletion seen once the step was dispatched is certain (step_hook._settle).
+void PoisonDonors(py::list donors) {
+  RequireBound();
+  for (size_t i = 0, n = donors.size(); i < n; ++i) {
+    PyObject* entry = PyList_GET_ITEM(donors.ptr(), i);
+    if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 2)
+      throw py::type_error("donors must be (tensor, record) pairs");
+    PyObject* t = PyTuple_GET_ITEM(entry, 0);
+    PyObject* rec = PyTuple_GET_ITEM(entry, 1);
+    RecordArg(rec);  // type check
+    Check(SetDonor(t, false) >= 0);
+    Check(Poison(t, rec) == 0);
+  }
+}
+
+// Settles in-flight (tensor, record) entries: a deleted buffer is CONSUMED;
+// a live one is unused only if `certain` that its step was dispatched.
+// Entries settled meanwhile (by a use of the tensor) are skipped.
+// Returns (still unknown entries, unused entries); the caller un-poisons
+// and warns about the unused ones, and settles them UNUSED.
+py::tuple SettleEntries(py::list entries, bool certain) {
+  RequireBound();
+  py::list unknown, unused;
+  for (size_t i = 0, n = entries.size(); i < n; ++i) {
+    PyObject* entry = PyList_GET_ITEM(entries.ptr(), i);
+    if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 2)
+      throw py::type_error("entries must be (tensor, record) pairs");
+    PyObject* t = PyTuple_GET_ITEM(entry, 0);
+    const RecordPtr& record = RecordArg(PyTuple_GET_ITEM(entry, 1));
+    if (record->verdict != Verdict::kInFlight) continue;
+    int deleted = BufferDeleted(t);
+    Check(deleted >= 0);
+    if (deleted) {
+      GlobalLedger().Settle(record, Verdict::kConsumed);
+    } else {
+      (certain ? unused : unknown).append(py::handle(entry));
+    }
+  }
+  return py::make_tuple(unknown, unused);
+}
+
+void Bind(py::kwargs hooks) {
+  static const std::pair<const char*, PyObject* Hooks::*> kSlots[] = {
+      {"tensor_type", &Hooks::tensor_type},
+      {"set_donor", &Hooks::set_donor},
+      {"buffer_deleted", &Hooks::buffer_deleted},
+      {"need_materialization", &Hooks::need_materialization},
+      {"storage_use_count", &Hooks::storage_use_count},
+      {"dtype_info", &Hooks::dtype_info},
+      {"donated_type", &Hooks::donated_type},
+      {"state_attr", &Hooks::state_attr},
+      {"poison_class_for", &Hooks::poison_class_for},
+  };
+  for (auto item : hooks) {
+    std::string name = py::str(item.first);
+    if (name == "storage_refcount_offset") {
+      g_refcount_offset = item.second.is_none() ? -1 : item.second.cast<long>();
+      g_refcount_checked = false;
+      continue;
+    }
+    bool known = false;
+    for (const auto& slot : kSlots) {
+      if (name != slot.first) continue;
+      known = true;
+      PyObject*& field = g_hooks.*(slot.second);
+      PyObject* value = item.second.ptr();
+      Py_INCREF(value);
+      Py_XSETREF(field, value);
+    }
+    if (!known) throw py::type_error("bind(): unknown hook '" + name + "'");
+    if (name == "poison_class_for") {
+      for (auto& kv : g_poison_classes) {
+        Py_DECREF(kv.second);
+        Py_DECREF(reinterpret_cast<PyObject*>(kv.first));
+      }
+      g_poison_classes.clear();
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
 
 py::dict StatsToDict(const StepStats& s) {
   py::dict d;
@@ -23,62 +616,63 @@ py::dict StatsToDict(const StepStats& s) {
   d["unused_bytes"] = s.unused_bytes;
   d["unused_shapes"] = s.unused_shapes;
   d["updated_in_place"] = s.updated_in_place;
+  d["updated_in_place_bytes"] = s.updated_in_place_bytes;
+  d["dropped"] = s.dropped;
+  d["dropped_bytes"] = s.dropped_bytes;
   d["failed"] = s.failed;
+  d["failed_bytes"] = s.failed_bytes;
   d["pending"] = s.pending;
+  d["steps"] = s.steps;
   return d;
+}
+
+void InitNames() {
+  g_names.is_xla = PyUnicode_InternFromString("is_xla");
+  g_names.is_view = PyUnicode_InternFromString("_is_view");
+  g_names.shape = PyUnicode_InternFromString("shape");
+  g_names.dtype = PyUnicode_InternFromString("dtype");
+  g_names.untyped_storage = PyUnicode_InternFromString("untyped_storage");
+  g_names.cdata = PyUnicode_InternFromString("_cdata");
+  g_names.klass = PyUnicode_InternFromString("__class__");
+  g_names.co_filename = PyUnicode_InternFromString("co_filename");
 }
 
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "Native donation ledger of torch_xla_donate.";
+  InitNames();
 
-  py::enum_<Verdict>(m, "Verdict")
-      .value("MARKED", Verdict::kMarked)
-      .value("IN_FLIGHT", Verdict::kInFlight)
-      .value("CONSUMED", Verdict::kConsumed)
-      .value("UNUSED", Verdict::kUnused)
-      .value("UPDATED_IN_PLACE", Verdict::kUpdatedInPlace)
-      .value("CANCELLED", Verdict::kCancelled)
-      .value("STEP_FAILED", Verdict::kStepFailed)
-      .value("DISABLED", Verdict::kDisabled);
+  // Verdict: an IntEnum, so comparisons are int comparisons.
+  py::list members;
+  for (int v = 0; v < kVerdictCount; ++v) {
+    std::string name = VerdictName(static_cast<Verdict>(v));
+    for (auto& c : name) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+    members.append(py::make_tuple(name, v));
+  }
+  py::object verdict = py::module_::import("enum").attr("IntEnum")(
+      "Verdict", members, py::arg("module") = "torch_xla_donate._C");
+  verdict.attr("__doc__") = "What became of one donation; only CONSUMED poisons the tensor.";
+  for (int v = 0; v < kVerdictCount; ++v) g_verdicts[v] = verdict(v).release().ptr();
+  m.attr("Verdict") = verdict;
 
-  py::class_<Record, RecordPtr>(m, "Record")
-      .def_readonly("id", &Record::id)
-      .def_readonly("step", &Record::step)
-      .def_readonly("file", &Record::file)
-      .def_readonly("line", &Record::line)
-      .def_property_readonly("shape", [](const Record& r) { return py::tuple(py::cast(r.shape)); })
-      .def_readonly("dtype", &Record::dtype)
-      .def_readonly("nbytes", &Record::nbytes)
-      .def_readonly("verdict", &Record::verdict)
-      .def_property_readonly("shape_string", &Record::ShapeString)
-      .def_property_readonly("where", &Record::Where)
-      .def("__repr__", [](const Record& r) {
-        return "<donation #" + std::to_string(r.id) + " " + r.ShapeString() +
-               " at " + r.Where() + " step=" + std::to_string(r.step) + " " +
-               VerdictName(r.verdict) + ">";
-      });
+  g_record_type = reinterpret_cast<PyTypeObject*>(PyType_FromSpec(&kRecordSpec));
+  if (!g_record_type) throw py::error_already_set();
+  m.attr("Record") = py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(g_record_type));
 
   m.def(
       "mark",
       [](py::object tensor, std::string file, int line, std::vector<int64_t> shape,
          std::string dtype, int64_t nbytes) -> py::object {
-        RecordPtr r = GlobalLedger().Mark(std::move(tensor), std::move(file), line,
-                                          std::move(shape), std::move(dtype), nbytes);
-        if (!r) return py::none();
-        return py::cast(r);
+        return RecordOrNone(GlobalLedger().Mark(std::move(tensor), std::move(file), line,
+                                                std::move(shape), std::move(dtype), nbytes));
       },
       py::arg("tensor"), py::arg("file"), py::arg("line"), py::arg("shape"),
       py::arg("dtype"), py::arg("nbytes"),
       "Marks a tensor for the next step; None if it is already marked.");
   m.def(
       "unmark",
-      [](py::object tensor) -> py::object {
-        RecordPtr r = GlobalLedger().Unmark(tensor);
-        if (!r) return py::none();
-        return py::cast(r);
-      },
+      [](py::object tensor) -> py::object { return RecordOrNone(GlobalLedger().Unmark(tensor)); },
       py::arg("tensor"), "Removes a pending mark; returns its record or None.");
   m.def("is_marked", [](py::object t) { return GlobalLedger().IsMarked(t); }, py::arg("tensor"));
   m.def("marked_tensors", []() { return GlobalLedger().MarkedTensors(); });
@@ -91,20 +685,25 @@ PYBIND11_MODULE(_C, m) {
         int64_t step = GlobalLedger().BeginStep(&tensors, &records);
         py::list t(tensors.size()), r(records.size());
         for (size_t i = 0; i < tensors.size(); ++i) {
-          t[i] = std::move(tensors[i]);
-          r[i] = py::cast(records[i]);
+          PyList_SET_ITEM(t.ptr(), i, tensors[i].release().ptr());
+          PyObject* rec = WrapRecord(std::move(records[i]));
+          if (!rec) throw py::error_already_set();
+          PyList_SET_ITEM(r.ptr(), i, rec);
         }
         return py::make_tuple(step, t, r);
       },
       "Commits all marks to a new step: (step, tensors, records).");
   m.def(
       "settle",
-      [](const RecordPtr& r, Verdict v) {
-        if (!r) throw py::type_error("settle() needs a Record");
-        if (v == Verdict::kMarked || v == Verdict::kInFlight)
+      [](py::handle record, py::handle verdict) {
+        if (!IsRecord(record.ptr())) throw py::type_error("settle() needs a Record");
+        int v = py::cast<int>(verdict);
+        if (v < 0 || v >= kVerdictCount) throw py::value_error("settle(): no such verdict");
+        Verdict final_verdict = static_cast<Verdict>(v);
+        if (final_verdict == Verdict::kMarked || final_verdict == Verdict::kInFlight)
           throw py::value_error("settle() needs a final verdict, got " +
-                                std::string(VerdictName(v)));
-        GlobalLedger().Settle(r, v);
+                                std::string(VerdictName(final_verdict)));
+        GlobalLedger().Settle(Unwrap(record.ptr()), final_verdict);
       },
       py::arg("record"), py::arg("verdict"));
   m.def("current_step", []() { return GlobalLedger().current_step(); });
@@ -116,7 +715,29 @@ PYBIND11_MODULE(_C, m) {
         return StatsToDict(s);
       },
       py::arg("step") = -1);
+  m.def(
+      "history",
+      [](int64_t since) {
+        py::list out;
+        for (const auto& s : GlobalLedger().History(since)) out.append(StatsToDict(s));
+        return out;
+      },
+      py::arg("since") = 0,
+      "Stats of the steps numbered `since` or later among the last HISTORY_STEPS "
+      "steps that committed donations, oldest first.");
+  m.def("generation", []() { return GlobalLedger().generation(); },
+        "A number that changes whenever a step commits donations, a verdict is "
+        "settled or the ledger is reset.");
   m.def("totals", []() { return StatsToDict(GlobalLedger().Totals()); });
   m.def("reset", []() { GlobalLedger().Reset(); });
   m.attr("HISTORY_STEPS") = Ledger::kHistorySteps;
+
+  m.def("bind", &Bind,
+        "Hands the hot path the torch / torch_xla / poison callables it needs "
+        "(called by _xla.py and poison.py at import).");
+  m.def("split_committed", &SplitCommitted, py::arg("tensors"), py::arg("records"),
+        py::arg("pending"));
+  m.def("poison_donors", &PoisonDonors, py::arg("donors"));
+  m.def("settle_entries", &SettleEntries, py::arg("entries"), py::arg("certain"));
+  if (PyModule_AddFunctions(m.ptr(), kFastMethods) < 0) throw py::error_already_set();
 }

@@ -24,6 +24,8 @@ from .errors import (
     UnusedDonationWarning,
 )
 from .integrations import ParameterDonationError
+from . import report
+from .report import last_step_report, metrics_report, summary
 
 __all__ = [
     "donate_buffer",
@@ -39,6 +41,9 @@ __all__ = [
     "DroppedDonationWarning",
     "DonationDisabledWarning",
     "ParameterDonationError",
+    "last_step_report",
+    "summary",
+    "metrics_report",
 ]
 
 step_hook.install()

@@ -9,6 +9,9 @@ import torch
 import torch_xla
 import torch_xla.runtime
 
+from . import _C
+from .dtypes import xla_dtype_name
+
 _XLAC = torch_xla._XLAC
 
 
@@ -95,3 +98,65 @@ def aliasing_enabled() -> bool:
         return bool(int(value))
     except ValueError:
         return value.strip().lower() not in ("false", "off", "no")
+
+
+def increment_counter(name: str, value: int) -> bool:
+    """Adds ``value`` to torch_xla's counter ``name`` (created on first use),
+    so that it shows in ``torch_xla.debug.metrics`` reports.  False when this
+    torch_xla cannot do it."""
+    increment = getattr(_XLAC, "_xla_increment_counter", None)
+    if increment is None:
+        return False
+    increment(name, value)
+    return True
+
+
+def _dtype_info(dtype: torch.dtype):
+    return xla_dtype_name(dtype), dtype.itemsize
+
+
+def _storage_refcount_offset():
+    """Byte offset of the use count inside a c10 ``StorageImpl``, or None.
+
+    ``storage_use_count`` costs ~0.5 us, mostly the pybind11 call into
+    ``torch._C._storage_Use_Count``, which only reads c10's intrusive refcount
+    (a 32-bit counter right after the vtable pointer of
+    ``c10::intrusive_ptr_target`` in torch 2.x).  The hot path reads it
+    directly, but only if it is really there: we compare the two readings of
+    a host tensor's storage while views come and go, and give up on any
+    mismatch (the hot path then calls ``_storage_Use_Count``).
+    """
+    import ctypes
+
+    offset = 8
+    base = torch.empty(4)
+    cdata = base.untyped_storage()._cdata
+
+    def agree():
+        direct = ctypes.c_uint32.from_address(cdata + offset).value
+        return direct == torch._C._storage_Use_Count(cdata)
+
+    views = []
+    for _ in range(4):
+        if not agree():
+            return None
+        views.append(base[1:])
+    while views:
+        views.pop()
+        if not agree():
+            return None
+    return offset
+
+
+# The native hot path (``_C.try_mark`` and the step hook's batch helpers in
+# csrc/module.cpp) asks torch_xla the questions above through these very
+# functions: when one of them changes, this is still the one place to adapt.
+_C.bind(
+    tensor_type=torch.Tensor,
+    set_donor=_XLAC._set_buffer_donation,
+    buffer_deleted=_XLAC._is_placecholder,
+    need_materialization=_XLAC._check_tensor_need_materialization,
+    storage_use_count=torch._C._storage_Use_Count,  # of t.untyped_storage()._cdata
+    dtype_info=_dtype_info,
+    storage_refcount_offset=_storage_refcount_offset(),
+)

@@ -41,7 +41,11 @@ def donate_buffer(tensor: torch.Tensor) -> None:
         ``xm.mark_step()`` first), or is a view or has live views/aliases.
       DonatedBufferError: it was donated already.
     """
-    _mark(tensor, _caller(1))
+    # The common case is one native call (checks, donor flag, ledger entry;
+    # the "1" blames our caller's line).  Anything unusual goes through
+    # ``_mark_checked``, which raises or warns precisely.
+    if not (config.enabled() and _C.try_mark(tensor, 1)):
+        _mark_checked(tensor, _caller(1))
 
 
 def _mark(tensor, where) -> None:
@@ -50,6 +54,14 @@ def _mark(tensor, where) -> None:
     Split from ``donate_buffer`` so helpers that donate on a user's behalf
     (pytrees, ``donating``) blame the user's line, not their own.
     """
+    if not (config.enabled() and _C.try_mark(tensor, where)):
+        _mark_checked(tensor, where)
+
+
+def _mark_checked(tensor, where) -> None:
+    """``_mark`` step by step: every check with its own message, the off
+    switches, then the mark.  ``_C.try_mark`` is the same path in one call
+    for the common case and leaves everything else to this function."""
     _check_donatable(tensor)
     if not config.enabled():
         _warn_disabled_once(
@@ -85,6 +97,9 @@ def _mark(tensor, where) -> None:
 
 
 def _check_donatable(tensor) -> None:
+    """Raises the error ``donate_buffer`` would raise for ``tensor``, if any."""
+    if _C.is_donatable(tensor):  # every check below passes: one native call
+        return
     torch._check_type(
         isinstance(tensor, torch.Tensor),
         lambda: f"donate_buffer expects a torch.Tensor, got {type(tensor).__name__}.",

@@ -153,3 +153,9 @@ def _donated_in(args, kwargs):
         elif isinstance(item, dict):
             stack.extend(item.values())
     return found
+
+
+# The step hook poisons a whole step's donors in one native call
+# (``_C.poison_donors``), which does for each exactly what ``poison`` does:
+# the record under ``_STATE``, then the class from ``_poison_class_for``.
+_C.bind(donated_type=_DonatedTensor, state_attr=_STATE, poison_class_for=_poison_class_for)

@@ -82,31 +82,28 @@ def _step_marker(device="", devices=(), wait=True, reset_scope=True):
         except BaseException:
             _abandon(donors, _C.Verdict.STEP_FAILED)
             raise
-        for t, record in donors:
-            _xla.set_donor(t, False)  # the donor set is fixed; see module doc
-            poison.poison(t, record)
+        # The donor set is fixed: clear each donor's flag and poison it (see
+        # the module doc).  One native call does ``_xla.set_donor(t, False)``
+        # and ``poison.poison(t, record)`` per donor.
+        _C.poison_donors(donors)
         # This barrier could not start before the previous step of its
         # device was dispatched, so the earlier verdicts of this device are
         # certain now; this step's are certain only if we waited for it.
         earlier, others = _split_by_device(_in_flight, here)
         _in_flight = others + donors
         _in_flight = others + _settle(earlier, certain=True) + _settle(donors, certain=wait)
+        _notify_settled()
 
 
 def _drop_unsafe(tensors, records):
     """Splits the committed marks: returns the (tensor, record) pairs that stay
     donors, settling the others right away."""
-    donors, dropped = [], []
     updated = _xla.has_pending_ir(tensors) if tensors else []
-    for t, record, pending in zip(tensors, records, updated):
-        if pending:  # updated in place after marking: an output, keep it
-            _C.settle(record, _C.Verdict.UPDATED_IN_PLACE)
-        elif _xla.storage_use_count(t) > 1:
-            _xla.set_donor(t, False)
-            _C.settle(record, _C.Verdict.CANCELLED)
-            dropped.append(record)
-        else:
-            donors.append((t, record))
+    # Per tensor, natively: pending (updated in place after marking: an
+    # output, keep it) -> UPDATED_IN_PLACE; a view or alias alive
+    # (_xla.storage_use_count(t) > 1) -> flag cleared, CANCELLED, dropped;
+    # else a donor.
+    donors, dropped = _C.split_committed(tensors, records, updated)
     if dropped:
         _warn(
             DroppedDonationWarning,
@@ -125,19 +122,13 @@ def _settle(entries, certain: bool) -> list:
     A deleted buffer is a certain "consumed".  A live one means "unused" only
     once ``certain`` that its step was dispatched.
     """
-    unknown, unused = [], []
-    for t, record in entries:
-        if record.verdict != _C.Verdict.IN_FLIGHT:
-            continue  # settled by a use of the tensor in the meantime
-        if _xla.buffer_deleted(t):
-            _C.settle(record, _C.Verdict.CONSUMED)
-        elif certain:
-            _unuse(t, record)
-            unused.append(record)
-        else:
-            unknown.append((t, record))
+    # Natively, per entry: skip it if a use of the tensor settled it in the
+    # meantime; CONSUMED if _xla.buffer_deleted(t); else unused or unknown.
+    unknown, unused = _C.settle_entries(entries, certain)
+    for t, record in unused:
+        _unuse(t, record)
     if unused:
-        _warn_unused(unused)
+        _warn_unused([record for _, record in unused])
     return unknown
 
 
@@ -157,8 +148,10 @@ def _settle_one(t) -> None:
             return  # settled by a barrier while we waited
         if _xla.buffer_deleted(t):
             _C.settle(record, _C.Verdict.CONSUMED)
+            _notify_settled()
         else:
             _unuse(t, record)
+            _notify_settled()
             _warn_unused([record])
 
 
@@ -170,7 +163,21 @@ def settle_in_flight() -> None:
     if entries:
         _xla.wait_device_ops()  # outside the lock: see "Several devices"
         with _lock:
-            _settle(entries, certain=True)
+            try:
+                _settle(entries, certain=True)
+            finally:
+                _notify_settled()
+
+
+# Called with no argument whenever verdicts may have been settled, so that
+# a step's report can be given once it is complete (report.py's per-step log
+# and torch_xla counters).  Listeners must be cheap and must not raise.
+settled_listeners = []
+
+
+def _notify_settled() -> None:
+    for listener in settled_listeners:
+        listener()
 
 
 def _unuse(t, record) -> None:

@@ -1,0 +1,147 @@
+"""Shared plumbing of the benchmark scripts: machine description, child
+processes, tables, result files and charts.
+
+Every benchmark runs each measured configuration in a fresh interpreter
+(``run_child``), so that peak memory, compile caches and allocator state of
+one configuration cannot leak into another.  Children print one JSON line.
+"""
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results")
+MiB = 1 << 20
+
+
+def machine() -> dict:
+    """Date and machine the numbers were taken on."""
+    cpu = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    ram = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    ram = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import torch
+    import torch_xla
+
+    return {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "nproc": os.cpu_count(),
+        "cpu": cpu,
+        "ram_gib": round(ram / (1 << 30), 1) if ram else None,
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_xla": torch_xla.__version__,
+    }
+
+
+def machine_line(m: dict) -> str:
+    return (
+        f"{m['date']} | {m['nproc']} CPUs ({m['cpu']}) | {m['ram_gib']} GiB RAM | "
+        f"load avg {m['load_avg_1m']} | torch {m['torch']}, torch_xla {m['torch_xla']}"
+    )
+
+
+def child_env(extra=None) -> dict:
+    env = dict(os.environ)
+    env.setdefault("PJRT_DEVICE", "CPU")
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    env.update(extra or {})
+    return env
+
+
+def run_child(script: str, args, env=None, timeout=3600) -> dict:
+    """Runs ``python script --child args...`` and returns its JSON result."""
+    cmd = [sys.executable, script, "--child", *map(str, args)]
+    proc = subprocess.run(
+        cmd, env=child_env(env), capture_output=True, text=True, timeout=timeout
+    )
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(
+            f"child {' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+        )
+    return json.loads(lines[-1])
+
+
+def emit(result: dict) -> None:
+    """A child's last act: its result as one JSON line."""
+    print(json.dumps(result), flush=True)
+
+
+def peak_rss() -> int:
+    """VmHWM of this process in bytes: the peak resident set size."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def median(xs):
+    return statistics.median(xs)
+
+
+def table(headers, rows) -> str:
+    """A GitHub-flavoured markdown table, also readable on a terminal."""
+    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    fmt = lambda row: "| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |"
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([fmt(cells[0]), sep] + [fmt(r) for r in cells[1:]])
+
+
+def save(name: str, data: dict, markdown: str) -> None:
+    """Writes results/<name>.json and results/<name>.md."""
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, f"{name}.json"), "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+        f.write("\n")
+    with open(os.path.join(RESULTS, f"{name}.md"), "w") as f:
+        f.write(markdown.rstrip() + "\n")
+
+
+def pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def chart_path(name: str) -> str:
+    os.makedirs(RESULTS, exist_ok=True)
+    return os.path.join(RESULTS, f"{name}.png")
+
+
+class Stopwatch:
+    """Accumulates wall (perf_counter) seconds of the wrapped callable."""
+
+    def __init__(self, fn):
+        self.fn, self.total = fn, 0.0
+
+    def __call__(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            self.total += time.perf_counter() - start

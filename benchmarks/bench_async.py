@@ -1,0 +1,143 @@
+"""Throughput of a training loop that never waits for the device.
+
+Each step replaces every state tensor ``p`` by ``p - 0.01 * (p * 0.5 + 0.1)``
+and ends with ``torch_xla.sync(wait=False)``: the host traces step N+1 while
+the device runs step N.  The loop must keep doing so with donation: the
+plugin may not block to learn a verdict (it learns it at the next barrier).
+
+Workloads: many small tensors (host-bound: 400 x 64 KiB) and a few large
+ones (device-bound: 16 x 16 MiB).  Modes, each in its own process, repeated
+and interleaved: no donation, ``donate_buffer`` per tensor, ``donate(list)``
+once per step, and torch_xla's raw ``_set_buffer_donation`` for reference.
+Throughput is steps per second over windows of steps (the wait for the
+device at the end of a window included); the median window counts.
+
+    python benchmarks/bench_async.py [--repeats 3] [--windows 5] [--steps 30]
+"""
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as C  # noqa: E402
+
+WORKLOADS = {
+    "400 x 64 KiB (host-bound)": (400, 16 * 1024),
+    "16 x 16 MiB (device-bound)": (16, 4 * 1024 * 1024),
+}
+MODES = ["no donation", "donate_buffer", "donate(list)", "raw _set_buffer_donation"]
+TARGET = 0.95
+
+
+def child(mode: str, count: int, numel: int, windows: int, steps: int) -> dict:
+    import torch
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    import torch_xla_donate as tdx
+
+    dev = torch_xla.device()
+    state = [torch.full((numel,), 1.0 + i, device=dev) for i in range(count)]
+    torch_xla.sync()
+    xm.wait_device_ops()
+    set_donation = torch_xla._XLAC._set_buffer_donation
+
+    def step():
+        nonlocal state
+        if mode == "donate_buffer":
+            for p in state:
+                tdx.donate_buffer(p)
+        elif mode == "donate(list)":
+            tdx.donate(state)
+        elif mode == "raw _set_buffer_donation":
+            for p in state:
+                set_donation(p, True)
+        state = [p - 0.01 * (p * 0.5 + 0.1) for p in state]
+        torch_xla.sync(wait=False)
+
+    for _ in range(5):
+        step()
+    xm.wait_device_ops()
+    rates = []
+    for _ in range(windows):
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        xm.wait_device_ops()
+        rates.append(steps / (time.perf_counter() - start))
+    torch_xla.sync()
+    first = float(state[0][0].cpu())
+    return {"steps_per_s": C.median(rates), "windows": rates, "value": first}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--windows", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("rest", nargs="*", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        mode, count, numel, windows, steps = args.rest
+        C.emit(child(mode, int(count), int(numel), int(windows), int(steps)))
+        return
+
+    machine = C.machine()
+    runs = {}
+    for wname, (count, numel) in WORKLOADS.items():
+        for rep in range(args.repeats):
+            for mode in MODES:
+                print(f"async: {wname}, {mode}, run {rep + 1} ...", flush=True)
+                r = C.run_child(__file__, [mode, count, numel, args.windows, args.steps])
+                runs.setdefault(f"{wname} | {mode}", []).append(r)
+    machine["load_avg_1m_end"] = round(os.getloadavg()[0], 2)
+
+    summary, rows, verdicts = {}, [], []
+    for wname in WORKLOADS:
+        base = C.median([r["steps_per_s"] for r in runs[f"{wname} | no donation"]])
+        values = {runs[f"{wname} | {m}"][0]["value"] for m in MODES}
+        for mode in MODES:
+            rate = C.median([r["steps_per_s"] for r in runs[f"{wname} | {mode}"]])
+            summary[f"{wname} | {mode}"] = {"steps_per_s": rate, "vs_no_donation": rate / base}
+            rows.append([wname, mode, f"{rate:.1f}", f"{100 * rate / base:.0f}%"])
+        ratio = summary[f"{wname} | donate_buffer"]["vs_no_donation"]
+        verdicts.append(
+            f"- {wname}: donate_buffer runs at {100 * ratio:.0f}% of the loop without donation: "
+            f"{'target met' if ratio >= TARGET else 'TARGET MISSED'} (≥ {100 * TARGET:.0f}%)."
+            + ("" if len(values) == 1 else f" VALUES DIFFER between modes: {sorted(values)}")
+        )
+    text = C.table(["workload", "mode", "steps/s", "vs no donation"], rows)
+    md = (
+        f"## Throughput of a loop that never waits (`torch_xla.sync(wait=False)`)\n\n"
+        f"Machine: {C.machine_line(machine)}\n\n{text}\n\n" + "\n".join(verdicts) + "\n"
+    )
+    print(md)
+    C.save("async", {"machine": machine, "runs": runs, "summary": summary, "target": TARGET}, md)
+    chart(summary)
+
+
+def chart(summary):
+    plt = C.pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4))
+    w = 0.2
+    colors = ["#999999", "#1f77b4", "#2ca02c", "#aec7e8"]
+    for i, mode in enumerate(MODES):
+        vals = [100 * summary[f"{wl} | {mode}"]["vs_no_donation"] for wl in WORKLOADS]
+        xs = [j + (i - 1.5) * w for j in range(len(WORKLOADS))]
+        ax.bar(xs, vals, w, label=mode, color=colors[i])
+        for x, v in zip(xs, vals):
+            ax.text(x, v + 1, f"{v:.0f}", ha="center", fontsize=7)
+    ax.axhline(100 * TARGET, color="red", linestyle="--", linewidth=1, label=f"target {100 * TARGET:.0f}%")
+    ax.set_xticks(range(len(WORKLOADS)))
+    ax.set_xticklabels(list(WORKLOADS))
+    ax.set_ylabel("steps/s, % of the loop without donation")
+    ax.set_title("A loop that never waits: throughput with donation")
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(C.chart_path("async"), dpi=110)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""Runs every benchmark and gathers their tables into results/summary.md.
+
+    .venv/bin/pip install -r benchmarks/requirements.txt   # JAX, matplotlib
+    PJRT_DEVICE=CPU .venv/bin/python benchmarks/run_all.py [--quick]
+
+Each benchmark writes results/<name>.{json,md,png}; see benchmarks/README.md.
+``--quick`` runs fewer repetitions (a smoke run, noisier numbers).
+"""
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as C  # noqa: E402
+
+BENCHMARKS = {
+    "memory": ("bench_memory.py", [], ["--steps", "3"]),
+    "overhead": ("bench_overhead.py", [], ["--rounds", "4"]),
+    "async": ("bench_async.py", [], ["--repeats", "1", "--windows", "3"]),
+    "compiles": ("bench_compiles.py", [], ["--steps", "10"]),
+}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("names", nargs="*", help=f"some of {', '.join(BENCHMARKS)} (default: all)")
+    args = ap.parse_args()
+    names = args.names or list(BENCHMARKS)
+    unknown = set(names) - set(BENCHMARKS)
+    if unknown:
+        ap.error(f"unknown benchmark(s) {sorted(unknown)}; choose from {list(BENCHMARKS)}")
+    start = time.time()
+    for name in names:
+        script, full, quick = BENCHMARKS[name]
+        cmd = [sys.executable, os.path.join(C.HERE, script), *(quick if args.quick else full)]
+        print(f"== {name}: {' '.join(cmd[1:])}", flush=True)
+        subprocess.run(cmd, env=C.child_env(), check=True)
+    parts = []
+    for name in BENCHMARKS:
+        path = os.path.join(C.RESULTS, f"{name}.md")
+        if os.path.exists(path):
+            with open(path) as f:
+                parts.append(f.read().strip())
+    with open(os.path.join(C.RESULTS, "summary.md"), "w") as f:
+        f.write("# torch_xla_donate benchmark results\n\n" + "\n\n".join(parts) + "\n")
+    print(f"done in {time.time() - start:.0f} s; tables in {C.RESULTS}/summary.md")
+
+
+if __name__ == "__main__":
+    main()
