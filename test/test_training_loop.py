@@ -1,11 +1,14 @@
 """A functional training loop of a small MLP, with and without donation."""
+import json
+import os
+
 import torch
 import torch_xla
 import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as met
 
 import torch_xla_donate as tdx
-from helpers import buffer_ptr
+from helpers import buffer_ptr, run_python
 
 STEPS = 20
 
@@ -59,9 +62,31 @@ def _train(dev, donate: bool):
     return [p.cpu() for p in params], compiles, reused
 
 
-def test_same_parameters_and_no_extra_compiles(dev):
-    plain_params, plain_compiles, plain_reused = _train(dev, donate=False)
-    donated_params, donated_compiles, donated_reused = _train(dev, donate=True)
+def _run_both_modes():
+    """Both modes in one fresh process: compile counts are process-global,
+    so graphs left by other tests must not be counted."""
+    code = f"""
+        import json, sys
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        import torch, torch_xla
+        import test_training_loop as t
+        dev = torch_xla.device()
+        out = {{}}
+        for donate in (False, True):
+            params, compiles, reused = t._train(dev, donate)
+            out[str(donate)] = [[p.tolist() for p in params], compiles, reused]
+        print("RESULT" + json.dumps(out))
+    """
+    stdout = run_python(code).stdout
+    result = json.loads(stdout[stdout.index("RESULT") + len("RESULT"):])
+    plain, donated = result["False"], result["True"]
+    return plain, donated
+
+
+def test_same_parameters_and_no_extra_compiles():
+    (plain_params, plain_compiles, plain_reused), (donated_params, donated_compiles, donated_reused) = _run_both_modes()
+    plain_params = [torch.tensor(p) for p in plain_params]
+    donated_params = [torch.tensor(p) for p in donated_params]
     # Not bitwise: two plain runs on XLA's CPU backend already differ by an
     # ulp (its reductions are not reproducible run to run).
     for a, b in zip(plain_params, donated_params):
