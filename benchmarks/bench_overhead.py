@@ -37,28 +37,57 @@ HOOKED = {"plain", "donate_buffer", "donate(list)"}
 TARGET_US = 3.0
 
 
+PHASES = ["begin_step", "split_committed", "poison_donors", "settle_entries"]
+
+
 def child(n: int, rounds: int, block: int) -> dict:
+    import gc
+
     import torch
     import torch_xla
     import torch_xla.core.xla_model as xm
 
     import torch_xla_donate as tdx
-    from torch_xla_donate import step_hook
+    from torch_xla_donate import _C, step_hook
 
     dev = torch_xla.device()
     ts = [torch.full((16,), float(i), device=dev) for i in range(n)]
     torch_xla.sync()
     xm.wait_device_ops()
-    # Time the real barrier inside the hook: the rest of sync() is the hook.
-    inner = C.Stopwatch(step_hook._real_step_marker)
-    step_hook._real_step_marker = inner
+
+    # Thread CPU time (robust to other processes on the machine) of the real
+    # barrier inside the hook and of the hook's native batch calls.
+    cpu = {}
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            start = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                cpu[name] = cpu.get(name, 0.0) + time.thread_time() - start
+        return wrapper
+
+    step_hook._real_step_marker = timed("inner", step_hook._real_step_marker)
+    for name in PHASES:
+        setattr(_C, name, timed(name, getattr(_C, name)))
+    gc_wall = [0.0, 0.0]
+
+    def on_gc(phase, info):
+        if phase == "start":
+            gc_wall[1] = time.perf_counter()
+        else:
+            gc_wall[0] += time.perf_counter() - gc_wall[1]
+
+    gc.callbacks.append(on_gc)
     set_donation = torch_xla._XLAC._set_buffer_donation
 
     def step(mode):
         nonlocal ts
         if (mode in HOOKED) != step_hook.installed():
             step_hook.install() if mode in HOOKED else step_hook.uninstall()
-        inner.total = 0.0
+        cpu.clear()
+        gc_wall[0] = 0.0
         c0, t0 = time.thread_time(), time.perf_counter()
         if mode == "raw torch_xla":
             for t in ts:
@@ -70,23 +99,25 @@ def child(n: int, rounds: int, block: int) -> dict:
             tdx.donate(ts)
         c1, t1 = time.thread_time(), time.perf_counter()
         ts = torch._foreach_add(ts, 1.0)
-        t2 = time.perf_counter()
-        c2 = time.thread_time()
+        c2, t2 = time.thread_time(), time.perf_counter()
         torch_xla.sync(wait=False)
         c3, t3 = time.thread_time(), time.perf_counter()
         xm.wait_device_ops()
         t4 = time.perf_counter()
-        return {
-            "mark": t1 - t0,
-            "mark_cpu": c1 - c0,
-            "trace": t2 - t1,
-            "barrier": t3 - t2,
-            "hook": t3 - t2 - inner.total,
-            "hook_cpu": (c3 - c2) - inner.total if mode in HOOKED else 0.0,
-            "device": t4 - t3,
-            "host": t3 - t0,
-            "full": t4 - t0,
+        inner = cpu.get("inner", 0.0)
+        out = {
+            "mark": c1 - c0,
+            "trace": c2 - c1,
+            "hook": c3 - c2 - inner,  # sync() minus the real barrier
+            "inner": inner,
+            "host": c3 - c0 - inner,  # host CPU of the step, barrier excluded
+            "host_wall": t3 - t0,
+            "full_wall": t4 - t0,
+            "gc_wall": gc_wall[0],
         }
+        for name in PHASES:
+            out[name] = cpu.get(name, 0.0)
+        return out
 
     samples = {m: [] for m in MODES}
     for m in MODES:  # compile every graph once before measuring
@@ -103,30 +134,34 @@ def child(n: int, rounds: int, block: int) -> dict:
     med = {
         m: {k: C.median([s[k] for s in v]) for k in v[0]} for m, v in samples.items()
     }
-    return {"n": n, "steps_per_mode": len(samples[MODES[0]]), "median_s": med}
+    mean_gc = {m: sum(s["gc_wall"] for s in v) / len(v) for m, v in samples.items()}
+    return {"n": n, "steps_per_mode": len(samples[MODES[0]]), "median_s": med,
+            "mean_gc_s": mean_gc}
 
 
-def derive(n: int, med: dict) -> dict:
-    us = 1e6
-    p, d, raw = med["plain"], med["donate_buffer"], med["raw torch_xla"]
-    base = med["plain, no plugin"]
-    hook_fixed = p["hook"] * us
-    added = (d["mark"] + d["hook"]) * us - hook_fixed
+def derive(n: int, med: dict, mean_gc: dict) -> dict:
+    per = 1e6 / n  # seconds per step -> µs per tensor
+    d, raw, plain, base = (med[m] for m in ("donate_buffer", "raw torch_xla", "plain",
+                                            "plain, no plugin"))
+    phases = sum(d[p] for p in PHASES)
     return {
-        "donate_buffer_us_per_tensor": d["mark"] * us / n,
-        "hook_us_per_tensor": (d["hook"] * us - hook_fixed) / n,
-        "plugin_added_us_per_tensor": added / n,
-        "plugin_added_cpu_us_per_tensor": ((d["mark_cpu"] + d["hook_cpu"]) * us - p["hook_cpu"] * us) / n,
-        "donate_list_added_us_per_tensor": (
-            (med["donate(list)"]["mark"] + med["donate(list)"]["hook"]) * us - hook_fixed
-        ) / n,
-        "raw_set_buffer_donation_us_per_tensor": raw["mark"] * us / n,
-        "extra_vs_raw_us_per_tensor": added / n - raw["mark"] * us / n,
-        "hook_fixed_us_per_step": hook_fixed,
-        "host_vs_raw_us_per_tensor": (d["host"] - raw["host"]) * us / n,
-        "host_vs_plain_us_per_tensor": (d["host"] - base["host"]) * us / n,
-        "full_vs_raw_us_per_tensor": (d["full"] - raw["full"]) * us / n,
-        "full_vs_plain_us_per_tensor": (d["full"] - base["full"]) * us / n,
+        # What the plugin adds, host CPU of the whole step (barrier excluded):
+        "added_vs_raw_us_per_tensor": (d["host"] - raw["host"]) * per,
+        "added_vs_plain_us_per_tensor": (d["host"] - base["host"]) * per,
+        "donate_list_added_vs_raw_us_per_tensor": (med["donate(list)"]["host"] - raw["host"]) * per,
+        # ... and wall clock, end to end (noisier on a shared machine).
+        "wall_vs_raw_us_per_tensor": (d["full_wall"] - raw["full_wall"]) * per,
+        "wall_vs_plain_us_per_tensor": (d["full_wall"] - base["full_wall"]) * per,
+        # Where it goes.
+        "donate_buffer_us_per_tensor": d["mark"] * per,
+        "raw_set_buffer_donation_us_per_tensor": raw["mark"] * per,
+        "barrier_native_us_per_tensor": phases * per,
+        "phases_us_per_tensor": {p: d[p] * per for p in PHASES},
+        "hook_rest_us_per_tensor": (d["hook"] - phases - plain["hook"]) * per,
+        "trace_shift_us_per_tensor": (d["trace"] - raw["trace"]) * per,
+        "hook_fixed_us_per_step": (plain["host"] - base["host"]) * 1e6,
+        "hook_idle_us_per_step": plain["hook"] * 1e6,
+        "gc_ms_per_step": {m: v * 1e3 for m, v in mean_gc.items()},
     }
 
 
@@ -148,52 +183,63 @@ def main():
     for n in args.sizes:
         print(f"overhead: {n} tensors ...", flush=True)
         res = C.run_child(__file__, [n, args.rounds, args.block])
-        res["derived"] = derive(n, res["median_s"])
+        res["derived"] = derive(n, res["median_s"], res["mean_gc_s"])
         runs.append(res)
     machine["load_avg_1m_end"] = round(os.getloadavg()[0], 2)
 
-    us = 1e6
-    step_rows = []
-    for r in runs:
-        for m in MODES:
-            s = r["median_s"][m]
-            step_rows.append([
-                r["n"], m, f"{s['mark'] * us / r['n']:.2f}", f"{s['trace'] * 1e3:.1f}",
-                f"{s['barrier'] * 1e3:.1f}",
-                f"{s['hook'] * 1e3:.2f}" if m in HOOKED else "-",
-                f"{s['host'] * 1e3:.1f}", f"{s['device'] * 1e3:.1f}",
-            ])
-    steps = C.table(
-        ["tensors", "mode", "donate µs/tensor", "trace ms", "sync ms", "hook ms",
-         "host ms/step", "device ms/step"],
-        step_rows,
-    )
     rows = []
     for r in runs:
         d = r["derived"]
         rows.append([
             r["n"],
-            f"{d['donate_buffer_us_per_tensor']:.2f}",
-            f"{d['hook_us_per_tensor']:.2f}",
-            f"**{d['plugin_added_us_per_tensor']:.2f}**",
-            f"{d['plugin_added_cpu_us_per_tensor']:.2f}",
-            f"{d['raw_set_buffer_donation_us_per_tensor']:.2f}",
-            f"{d['extra_vs_raw_us_per_tensor']:.2f}",
-            f"{d['donate_list_added_us_per_tensor']:.2f}",
+            f"**{d['added_vs_raw_us_per_tensor']:.1f}**",
+            f"{d['added_vs_plain_us_per_tensor']:.1f}",
+            f"{d['donate_list_added_vs_raw_us_per_tensor']:.1f}",
+            f"{d['wall_vs_raw_us_per_tensor']:+.1f} / {d['wall_vs_plain_us_per_tensor']:+.1f}",
             f"{d['hook_fixed_us_per_step']:.0f}",
-            f"{d['host_vs_raw_us_per_tensor']:+.2f} / {d['host_vs_plain_us_per_tensor']:+.2f}",
         ])
     summary = C.table(
-        ["tensors", "donate_buffer", "hook", "plugin adds", "(CPU time)",
-         "raw _set_buffer_donation", "extra vs raw", "donate(list) adds",
-         "hook fixed µs/step", "end-to-end host vs raw / vs plain"],
+        ["tensors", "donate_buffer adds vs raw", "vs no donation", "donate(list) adds vs raw",
+         "wall clock vs raw / vs no donation", "idle hook µs/step"],
         rows,
     )
+    brows = []
+    for r in runs:
+        d, ph = r["derived"], r["derived"]["phases_us_per_tensor"]
+        brows.append([
+            r["n"], f"{d['raw_set_buffer_donation_us_per_tensor']:.2f}",
+            f"{d['donate_buffer_us_per_tensor']:.2f}",
+            f"{ph['begin_step']:.2f}", f"{ph['split_committed']:.2f}",
+            f"{ph['poison_donors']:.2f}", f"{ph['settle_entries']:.2f}",
+            f"{d['hook_rest_us_per_tensor']:.2f}", f"{d['trace_shift_us_per_tensor']:+.2f}",
+        ])
+    breakdown = C.table(
+        ["tensors", "raw _set_buffer_donation", "donate_buffer", "begin_step",
+         "split_committed", "poison_donors", "settle_entries", "rest of hook",
+         "tracing (vs raw)"],
+        brows,
+    )
+    step_rows = []
+    for r in runs:
+        for m in MODES:
+            s = r["median_s"][m]
+            step_rows.append([
+                r["n"], m, f"{s['mark'] * 1e3:.1f}", f"{s['trace'] * 1e3:.1f}",
+                f"{s['hook'] * 1e3:.1f}" if m in HOOKED else "-", f"{s['inner'] * 1e3:.1f}",
+                f"{s['host'] * 1e3:.1f}", f"{s['full_wall'] * 1e3:.1f}",
+                f"{r['derived']['gc_ms_per_step'][m]:.2f}",
+            ])
+    steps = C.table(
+        ["tensors", "mode", "donate ms", "trace ms", "hook ms", "barrier ms",
+         "host CPU ms (no barrier)", "wall ms/step", "GC ms/step (mean)"],
+        step_rows,
+    )
     md = (
-        f"## Host overhead per donated tensor per step (µs)\n\n"
+        f"## Host overhead per donated tensor per step (µs, thread CPU time)\n\n"
         f"Machine: {C.machine_line(machine)}\n\n{summary}\n\n"
-        f"Target: plugin adds ≤ {TARGET_US} µs per tensor per step.\n\n"
-        f"### Median step times\n\n{steps}\n"
+        f"Target: ≤ {TARGET_US} µs per tensor per step.\n\n"
+        f"### Where the time goes (µs per tensor per step, thread CPU)\n\n{breakdown}\n\n"
+        f"### Median step (1 thread CPU ms unless marked wall)\n\n{steps}\n"
     )
     print(md)
     C.save("overhead", {"machine": machine, "runs": runs, "target_us": TARGET_US}, md)
@@ -202,24 +248,36 @@ def main():
 
 def chart(runs):
     plt = C.pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4))
-    labels = [f"{r['n']:,} tensors" for r in runs]
-    x = range(len(runs))
-    w = 0.25
-    donate = [r["derived"]["donate_buffer_us_per_tensor"] for r in runs]
-    hook = [r["derived"]["hook_us_per_tensor"] for r in runs]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    x = list(range(len(runs)))
+    w = 0.35
     raw = [r["derived"]["raw_set_buffer_donation_us_per_tensor"] for r in runs]
-    lst = [r["derived"]["donate_list_added_us_per_tensor"] for r in runs]
-    ax.bar([i - w for i in x], raw, w, label="raw _set_buffer_donation", color="#999999")
-    ax.bar(list(x), donate, w, label="donate_buffer()", color="#1f77b4")
-    ax.bar(list(x), hook, w, bottom=donate, label="hook at barrier (commit, checks, poison, settle)", color="#aec7e8")
-    ax.bar([i + w for i in x], lst, w, label="donate(list) + hook", color="#2ca02c")
+    ax.bar([i - w / 2 for i in x], raw, w, label="raw _set_buffer_donation", color="#999999")
+    parts = [
+        ("donate_buffer()", lambda d: d["donate_buffer_us_per_tensor"], "#1f77b4"),
+        ("barrier: commit + checks (begin_step, split_committed)",
+         lambda d: d["phases_us_per_tensor"]["begin_step"] + d["phases_us_per_tensor"]["split_committed"],
+         "#6baed6"),
+        ("barrier: clear flag + poison", lambda d: d["phases_us_per_tensor"]["poison_donors"], "#9ecae1"),
+        ("barrier: verdicts (settle_entries)", lambda d: d["phases_us_per_tensor"]["settle_entries"], "#c6dbef"),
+        ("rest of hook (incl. freeing last step's tensors)",
+         lambda d: max(d["hook_rest_us_per_tensor"], 0.0), "#deebf7"),
+    ]
+    bottom = [0.0] * len(runs)
+    for label, get, color in parts:
+        vals = [get(r["derived"]) for r in runs]
+        ax.bar([i + w / 2 for i in x], vals, w, bottom=bottom, label=label, color=color,
+               edgecolor="white", linewidth=0.5)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    net = [r["derived"]["added_vs_raw_us_per_tensor"] for r in runs]
+    for i, (b, v) in enumerate(zip(bottom, net)):
+        ax.text(i + w / 2, b + 0.3, f"net +{v:.1f} vs raw", ha="center", fontsize=8)
     ax.axhline(TARGET_US, color="red", linestyle="--", linewidth=1, label=f"target {TARGET_US} µs")
-    ax.set_xticks(list(x))
-    ax.set_xticklabels(labels)
-    ax.set_ylabel("µs per donated tensor per step")
-    ax.set_title("Host time torch_xla_donate adds per donated tensor")
-    ax.legend(fontsize=7)
+    ax.set_xticks(x)
+    ax.set_xticklabels([f"{r['n']:,} tensors" for r in runs])
+    ax.set_ylabel("µs per donated tensor per step (thread CPU)")
+    ax.set_title("Host time per donated tensor: torch_xla_donate vs raw torch_xla")
+    ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     fig.savefig(C.chart_path("overhead"), dpi=110)
 

@@ -158,6 +158,7 @@ struct Hooks {
   PyObject* donated_type = nullptr;       // poison._DonatedTensor
   PyObject* state_attr = nullptr;         // poison._STATE
   PyObject* poison_class_for = nullptr;   // type -> poisoned twin
+  PyObject* fast_types = nullptr;         // tuple: exact types of the fast path
 
   bool torch_bound() const {
     return tensor_type && set_donor && buffer_deleted && need_materialization &&
@@ -168,17 +169,21 @@ struct Hooks {
 
 Hooks g_hooks;
 
-// Where c10's intrusive refcount sits inside a StorageImpl, when _xla.py
-// found it where torch puts it (-1: unknown).  Reading it directly is what
-// torch._C._storage_Use_Count does, minus a pybind11 call (~0.35 us, twice
-// per donated tensor per step).  The first reading on a real tensor is
-// checked once more against _storage_Use_Count.
+// Where the storage use count can be read directly (see _xla._native_layout):
+// the StorageImpl pointer inside a TensorImpl (address: t._cdata), and c10's
+// intrusive refcount inside the StorageImpl.  -1: unknown, use the Python
+// route.  Reading them costs no call into torch and, unlike
+// t.untyped_storage(), leaves no Python storage object behind on the tensor
+// (one per donated tensor and step, which made Python's garbage collector
+// run full collections far more often).  The first reading on a tensor is
+// checked against the Python route; a mismatch turns direct reading off.
+long g_tensor_storage_offset = -1;
 long g_refcount_offset = -1;
-bool g_refcount_checked = false;
+bool g_layout_checked = false;
 
 struct Names {
   PyObject *is_xla, *is_view, *shape, *dtype, *untyped_storage, *cdata, *klass,
-      *co_filename;
+      *co_filename, *use_count, *is_leaf, *requires_grad, *ndim;
 };
 Names g_names;
 
@@ -213,35 +218,45 @@ int SetDonor(PyObject* t, bool donate) {
 // As in that Python expression, the temporary storage object is gone before
 // the count is read (it holds a reference of its own); `t` keeps the
 // storage itself alive.
-long StorageUseCount(PyObject* t) {
+long StorageUseCountViaPython(PyObject* t, uintptr_t* storage_address) {
   PyObject* storage = PyObject_CallMethodNoArgs(t, g_names.untyped_storage);
   if (!storage) return -1;
   PyObject* cdata = PyObject_GetAttr(storage, g_names.cdata);
   Py_DECREF(storage);
   if (!cdata) return -1;
-  long direct = -1;
-  if (g_refcount_offset >= 0) {
-    auto address = static_cast<uintptr_t>(PyLong_AsUnsignedLongLong(cdata));
-    if (PyErr_Occurred()) {
-      Py_DECREF(cdata);
-      return -1;
-    }
-    direct = static_cast<long>(
-        reinterpret_cast<const std::atomic<uint32_t>*>(address + g_refcount_offset)
-            ->load(std::memory_order_acquire));
-    if (g_refcount_checked) {
-      Py_DECREF(cdata);
-      return direct;
-    }
-  }
-  PyObject* n = PyObject_CallOneArg(g_hooks.storage_use_count, cdata);
+  *storage_address = static_cast<uintptr_t>(PyLong_AsUnsignedLongLong(cdata));
+  PyObject* n = PyErr_Occurred() ? nullptr : PyObject_CallOneArg(g_hooks.storage_use_count, cdata);
   Py_DECREF(cdata);
   if (!n) return -1;
   long count = PyLong_AsLong(n);
   Py_DECREF(n);
-  if (g_refcount_offset >= 0 && count != -1) {
-    g_refcount_checked = true;
-    if (count != direct) g_refcount_offset = -1;  // not where we thought: never again
+  return count;
+}
+
+// The same number, read from the tensor's memory when the layout is known.
+long StorageUseCount(PyObject* t) {
+  uintptr_t via_python = 0;
+  if (g_tensor_storage_offset < 0 || g_refcount_offset < 0)
+    return StorageUseCountViaPython(t, &via_python);
+  PyObject* cdata = PyObject_GetAttr(t, g_names.cdata);  // the TensorImpl*
+  if (!cdata) return -1;
+  auto impl = static_cast<uintptr_t>(PyLong_AsUnsignedLongLong(cdata));
+  Py_DECREF(cdata);
+  if (PyErr_Occurred()) return -1;
+  uintptr_t storage = *reinterpret_cast<const uintptr_t*>(impl + g_tensor_storage_offset);
+  long direct = -1;
+  if (storage != 0)
+    direct = static_cast<long>(
+        reinterpret_cast<const std::atomic<uint32_t>*>(storage + g_refcount_offset)
+            ->load(std::memory_order_acquire));
+  if (g_layout_checked && direct != -1) return direct;
+  long count = StorageUseCountViaPython(t, &via_python);
+  if (count == -1) return -1;
+  if (!g_layout_checked) {
+    g_layout_checked = true;
+    if (via_python != storage || count != direct) {  // not where we thought
+      g_tensor_storage_offset = g_refcount_offset = -1;
+    }
   }
   return count;
 }
@@ -388,13 +403,44 @@ bool IsDonatedType(PyObject* t) {
          PyObject_TypeCheck(t, reinterpret_cast<PyTypeObject*>(g_hooks.donated_type));
 }
 
+// Only plain tensors and parameters take the fast path: every other class
+// (a user subclass, a wrapper subclass with __torch_dispatch__, a poisoned
+// tensor) has its own checks in api.py.
+bool IsPlainTensor(PyObject* t) {
+  if (!g_hooks.fast_types) return IsTensor(t) && !IsDonatedType(t);
+  PyObject* types = g_hooks.fast_types;
+  for (Py_ssize_t i = 0, n = PyTuple_GET_SIZE(types); i < n; ++i)
+    if (reinterpret_cast<PyObject*>(Py_TYPE(t)) == PyTuple_GET_ITEM(types, i)) return true;
+  return false;
+}
+
+// api's "held by autograd" check: C++ code besides `t` holds its TensorImpl
+// (a graph that saved it for backward), not counting the AccumulateGrad node
+// of a leaf that requires grad.  1 held, 0 not, -1 error.
+int HeldByAutograd(PyObject* t) {
+  PyObject* n = PyObject_CallMethodNoArgs(t, g_names.use_count);
+  if (!n) return -1;
+  long uses = PyLong_AsLong(n);
+  Py_DECREF(n);
+  if (uses == -1 && PyErr_Occurred()) return -1;
+  if (uses <= 1) return 0;
+  int leaf = Truth(PyObject_GetAttr(t, g_names.is_leaf));
+  if (leaf < 0) return -1;
+  int grad = leaf ? Truth(PyObject_GetAttr(t, g_names.requires_grad)) : 0;
+  if (grad < 0) return -1;
+  return uses > 1 + (leaf && grad) ? 1 : 0;
+}
+
 // The checks of api._check_donatable that pass for an ordinary donation,
-// except the pending-IR one (see TryMark).  1 pass, 0 fail, -1 error.
+// except the pending-IR one (see TryMark) and the 0-dim one (Describe sees
+// the shape).  1 pass, 0 fail, -1 error.
 int CommonChecks(PyObject* t) {
-  if (!IsTensor(t) || IsDonatedType(t)) return 0;
+  if (!IsPlainTensor(t)) return 0;
   int r = IsXla(t);
   if (r != 1) return r;
   r = IsView(t);
+  if (r != 0) return r < 0 ? -1 : 0;
+  r = HeldByAutograd(t);
   if (r != 0) return r < 0 ? -1 : 0;
   return 1;
 }
@@ -433,6 +479,7 @@ PyObject* TryMark(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   int64_t nbytes = 0;
   if (!ResolveWhere(args[1], &file, &line)) return nullptr;  // caller's bug
   if (Describe(t, &shape, &dtype, &nbytes) != 1) return FalseClearingErrors();
+  if (shape.empty()) Py_RETURN_FALSE;  // 0-dim: api refuses it, with a reason
   if (SetDonor(t, true) != 1) return FalseClearingErrors();
   GlobalLedger().Mark(py::reinterpret_borrow<py::object>(t), std::move(file), line,
                       std::move(shape), std::move(dtype), nbytes);
@@ -445,6 +492,8 @@ PyObject* IsDonatable(PyObject*, PyObject* t) {
   if (!g_hooks.torch_bound()) Py_RETURN_FALSE;
   int r = CommonChecks(t);
   if (r != 1) return FalseClearingErrors();
+  r = Truth(PyObject_GetAttr(t, g_names.ndim));
+  if (r != 1) return FalseClearingErrors();  // 0-dim: api refuses it
   r = HasPendingIr(t);
   if (r != 0) return FalseClearingErrors();
   if (StorageUseCount(t) != 1) return FalseClearingErrors();
@@ -575,12 +624,14 @@ void Bind(py::kwargs hooks) {
       {"donated_type", &Hooks::donated_type},
       {"state_attr", &Hooks::state_attr},
       {"poison_class_for", &Hooks::poison_class_for},
+      {"fast_types", &Hooks::fast_types},
   };
   for (auto item : hooks) {
     std::string name = py::str(item.first);
-    if (name == "storage_refcount_offset") {
-      g_refcount_offset = item.second.is_none() ? -1 : item.second.cast<long>();
-      g_refcount_checked = false;
+    if (name == "storage_refcount_offset" || name == "tensor_storage_offset") {
+      long value = item.second.is_none() ? -1 : item.second.cast<long>();
+      (name == "storage_refcount_offset" ? g_refcount_offset : g_tensor_storage_offset) = value;
+      g_layout_checked = false;
       continue;
     }
     bool known = false;
@@ -593,6 +644,10 @@ void Bind(py::kwargs hooks) {
       Py_XSETREF(field, value);
     }
     if (!known) throw py::type_error("bind(): unknown hook '" + name + "'");
+    if (name == "fast_types" && !PyTuple_Check(g_hooks.fast_types)) {
+      Py_CLEAR(g_hooks.fast_types);
+      throw py::type_error("bind(): fast_types must be a tuple of types");
+    }
     if (name == "poison_class_for") {
       for (auto& kv : g_poison_classes) {
         Py_DECREF(kv.second);
@@ -635,6 +690,10 @@ void InitNames() {
   g_names.cdata = PyUnicode_InternFromString("_cdata");
   g_names.klass = PyUnicode_InternFromString("__class__");
   g_names.co_filename = PyUnicode_InternFromString("co_filename");
+  g_names.use_count = PyUnicode_InternFromString("_use_count");
+  g_names.is_leaf = PyUnicode_InternFromString("is_leaf");
+  g_names.requires_grad = PyUnicode_InternFromString("requires_grad");
+  g_names.ndim = PyUnicode_InternFromString("ndim");
 }
 
 }  // namespace

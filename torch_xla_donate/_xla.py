@@ -115,37 +115,49 @@ def _dtype_info(dtype: torch.dtype):
     return xla_dtype_name(dtype), dtype.itemsize
 
 
-def _storage_refcount_offset():
-    """Byte offset of the use count inside a c10 ``StorageImpl``, or None.
+def _native_layout() -> dict:
+    """Where the hot path can read a tensor's storage use count directly.
 
-    ``storage_use_count`` costs ~0.5 us, mostly the pybind11 call into
-    ``torch._C._storage_Use_Count``, which only reads c10's intrusive refcount
-    (a 32-bit counter right after the vtable pointer of
-    ``c10::intrusive_ptr_target`` in torch 2.x).  The hot path reads it
-    directly, but only if it is really there: we compare the two readings of
-    a host tensor's storage while views come and go, and give up on any
-    mismatch (the hot path then calls ``_storage_Use_Count``).
+    ``storage_use_count`` costs ~0.5 us per call, and its
+    ``t.untyped_storage()`` leaves a Python storage object attached to every
+    tensor it is asked about (torch keeps it for as long as the storage
+    lives): one more object per donated tensor and step for Python's garbage
+    collector, which then runs full collections far more often.  The number
+    it returns is c10's intrusive refcount of the tensor's ``StorageImpl``, a
+    32-bit counter right after the vtable pointer, and the ``TensorImpl``
+    (address: ``t._cdata``) holds its ``StorageImpl`` pointer right after its
+    own refcounts (torch 2.x).  The hot path reads the two directly, but only
+    if they are really there: we compare with ``storage_use_count`` on host
+    tensors while views come and go, the native code checks again on the
+    first XLA tensor, and any mismatch turns the direct reading off.
+
+    Returns the keyword arguments for ``_C.bind`` (None: not found).
     """
     import ctypes
 
-    offset = 8
+    layout = {"storage_refcount_offset": 8, "tensor_storage_offset": 16}
+    nothing = dict.fromkeys(layout)
+    word = lambda address: ctypes.c_uint64.from_address(address).value
+    count = lambda address: ctypes.c_uint32.from_address(address).value
+
     base = torch.empty(4)
-    cdata = base.untyped_storage()._cdata
+    if word(base._cdata + layout["tensor_storage_offset"]) != base.untyped_storage()._cdata:
+        return nothing
+    storage = word(base._cdata + layout["tensor_storage_offset"])
 
     def agree():
-        direct = ctypes.c_uint32.from_address(cdata + offset).value
-        return direct == torch._C._storage_Use_Count(cdata)
+        return count(storage + layout["storage_refcount_offset"]) == storage_use_count(base)
 
-    views = []
-    for _ in range(4):
+    aliases = []
+    for make in (lambda: base[1:], base.detach, lambda: base.view(2, 2), base.detach):
         if not agree():
-            return None
-        views.append(base[1:])
-    while views:
-        views.pop()
+            return nothing
+        aliases.append(make())
+    while aliases:
+        aliases.pop()
         if not agree():
-            return None
-    return offset
+            return nothing
+    return layout
 
 
 # The native hot path (``_C.try_mark`` and the step hook's batch helpers in
@@ -153,10 +165,11 @@ def _storage_refcount_offset():
 # functions: when one of them changes, this is still the one place to adapt.
 _C.bind(
     tensor_type=torch.Tensor,
+    fast_types=(torch.Tensor, torch.nn.Parameter),
     set_donor=_XLAC._set_buffer_donation,
     buffer_deleted=_XLAC._is_placecholder,
     need_materialization=_XLAC._check_tensor_need_materialization,
     storage_use_count=torch._C._storage_Use_Count,  # of t.untyped_storage()._cdata
     dtype_info=_dtype_info,
-    storage_refcount_offset=_storage_refcount_offset(),
+    **_native_layout(),
 )
