@@ -169,18 +169,6 @@ struct Hooks {
 
 Hooks g_hooks;
 
-// Where the storage use count can be read directly (see _xla._native_layout):
-// the StorageImpl pointer inside a TensorImpl (address: t._cdata), and c10's
-// intrusive refcount inside the StorageImpl.  -1: unknown, use the Python
-// route.  Reading them costs no call into torch and, unlike
-// t.untyped_storage(), leaves no Python storage object behind on the tensor
-// (one per donated tensor and step, which made Python's garbage collector
-// run full collections far more often).  The first reading on a tensor is
-// checked against the Python route; a mismatch turns direct reading off.
-long g_tensor_storage_offset = -1;
-long g_refcount_offset = -1;
-bool g_layout_checked = false;
-
 struct Names {
   PyObject *is_xla, *is_view, *shape, *dtype, *untyped_storage, *cdata, *klass,
       *co_filename, *use_count, *is_leaf, *requires_grad, *ndim;
@@ -217,47 +205,19 @@ int SetDonor(PyObject* t, bool donate) {
 // storage_use_count: 1 unless views or aliases of t are alive.  -1 on error.
 // As in that Python expression, the temporary storage object is gone before
 // the count is read (it holds a reference of its own); `t` keeps the
-// storage itself alive.
-long StorageUseCountViaPython(PyObject* t, uintptr_t* storage_address) {
+// storage itself alive.  We ask torch through its Python API rather than
+// reading c10's structures: their layout is not ours to rely on.
+long StorageUseCount(PyObject* t) {
   PyObject* storage = PyObject_CallMethodNoArgs(t, g_names.untyped_storage);
   if (!storage) return -1;
   PyObject* cdata = PyObject_GetAttr(storage, g_names.cdata);
   Py_DECREF(storage);
   if (!cdata) return -1;
-  *storage_address = static_cast<uintptr_t>(PyLong_AsUnsignedLongLong(cdata));
-  PyObject* n = PyErr_Occurred() ? nullptr : PyObject_CallOneArg(g_hooks.storage_use_count, cdata);
+  PyObject* n = PyObject_CallOneArg(g_hooks.storage_use_count, cdata);
   Py_DECREF(cdata);
   if (!n) return -1;
   long count = PyLong_AsLong(n);
   Py_DECREF(n);
-  return count;
-}
-
-// The same number, read from the tensor's memory when the layout is known.
-long StorageUseCount(PyObject* t) {
-  uintptr_t via_python = 0;
-  if (g_tensor_storage_offset < 0 || g_refcount_offset < 0)
-    return StorageUseCountViaPython(t, &via_python);
-  PyObject* cdata = PyObject_GetAttr(t, g_names.cdata);  // the TensorImpl*
-  if (!cdata) return -1;
-  auto impl = static_cast<uintptr_t>(PyLong_AsUnsignedLongLong(cdata));
-  Py_DECREF(cdata);
-  if (PyErr_Occurred()) return -1;
-  uintptr_t storage = *reinterpret_cast<const uintptr_t*>(impl + g_tensor_storage_offset);
-  long direct = -1;
-  if (storage != 0)
-    direct = static_cast<long>(
-        reinterpret_cast<const std::atomic<uint32_t>*>(storage + g_refcount_offset)
-            ->load(std::memory_order_acquire));
-  if (g_layout_checked && direct != -1) return direct;
-  long count = StorageUseCountViaPython(t, &via_python);
-  if (count == -1) return -1;
-  if (!g_layout_checked) {
-    g_layout_checked = true;
-    if (via_python != storage || count != direct) {  // not where we thought
-      g_tensor_storage_offset = g_refcount_offset = -1;
-    }
-  }
   return count;
 }
 
@@ -628,12 +588,6 @@ void Bind(py::kwargs hooks) {
   };
   for (auto item : hooks) {
     std::string name = py::str(item.first);
-    if (name == "storage_refcount_offset" || name == "tensor_storage_offset") {
-      long value = item.second.is_none() ? -1 : item.second.cast<long>();
-      (name == "storage_refcount_offset" ? g_refcount_offset : g_tensor_storage_offset) = value;
-      g_layout_checked = false;
-      continue;
-    }
     bool known = false;
     for (const auto& slot : kSlots) {
       if (name != slot.first) continue;
@@ -723,6 +677,12 @@ PYBIND11_MODULE(_C, m) {
       "mark",
       [](py::object tensor, std::string file, int line, std::vector<int64_t> shape,
          std::string dtype, int64_t nbytes) -> py::object {
+        // Garbage here would reach the next barrier (a None "tensor") or
+        // corrupt the byte counts: refuse it where it comes in.
+        if (tensor.is_none()) throw py::type_error("mark() needs a tensor, got None");
+        if (nbytes < 0) throw py::value_error("mark(): nbytes must be >= 0");
+        for (int64_t d : shape)
+          if (d < 0) throw py::value_error("mark(): shape sizes must be >= 0");
         return RecordOrNone(GlobalLedger().Mark(std::move(tensor), std::move(file), line,
                                                 std::move(shape), std::move(dtype), nbytes));
       },
@@ -756,6 +716,7 @@ PYBIND11_MODULE(_C, m) {
       "settle",
       [](py::handle record, py::handle verdict) {
         if (!IsRecord(record.ptr())) throw py::type_error("settle() needs a Record");
+        if (!PyLong_Check(verdict.ptr())) throw py::type_error("settle() needs a Verdict");
         int v = py::cast<int>(verdict);
         if (v < 0 || v >= kVerdictCount) throw py::value_error("settle(): no such verdict");
         Verdict final_verdict = static_cast<Verdict>(v);

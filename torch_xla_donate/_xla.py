@@ -115,51 +115,6 @@ def _dtype_info(dtype: torch.dtype):
     return xla_dtype_name(dtype), dtype.itemsize
 
 
-def _native_layout() -> dict:
-    """Where the hot path can read a tensor's storage use count directly.
-
-    ``storage_use_count`` costs ~0.5 us per call, and its
-    ``t.untyped_storage()`` leaves a Python storage object attached to every
-    tensor it is asked about (torch keeps it for as long as the storage
-    lives): one more object per donated tensor and step for Python's garbage
-    collector, which then runs full collections far more often.  The number
-    it returns is c10's intrusive refcount of the tensor's ``StorageImpl``, a
-    32-bit counter right after the vtable pointer, and the ``TensorImpl``
-    (address: ``t._cdata``) holds its ``StorageImpl`` pointer right after its
-    own refcounts (torch 2.x).  The hot path reads the two directly, but only
-    if they are really there: we compare with ``storage_use_count`` on host
-    tensors while views come and go, the native code checks again on the
-    first XLA tensor, and any mismatch turns the direct reading off.
-
-    Returns the keyword arguments for ``_C.bind`` (None: not found).
-    """
-    import ctypes
-
-    layout = {"storage_refcount_offset": 8, "tensor_storage_offset": 16}
-    nothing = dict.fromkeys(layout)
-    word = lambda address: ctypes.c_uint64.from_address(address).value
-    count = lambda address: ctypes.c_uint32.from_address(address).value
-
-    base = torch.empty(4)
-    if word(base._cdata + layout["tensor_storage_offset"]) != base.untyped_storage()._cdata:
-        return nothing
-    storage = word(base._cdata + layout["tensor_storage_offset"])
-
-    def agree():
-        return count(storage + layout["storage_refcount_offset"]) == storage_use_count(base)
-
-    aliases = []
-    for make in (lambda: base[1:], base.detach, lambda: base.view(2, 2), base.detach):
-        if not agree():
-            return nothing
-        aliases.append(make())
-    while aliases:
-        aliases.pop()
-        if not agree():
-            return nothing
-    return layout
-
-
 # The native hot path (``_C.try_mark`` and the step hook's batch helpers in
 # csrc/module.cpp) asks torch_xla the questions above through these very
 # functions: when one of them changes, this is still the one place to adapt.
@@ -171,5 +126,4 @@ _C.bind(
     need_materialization=_XLAC._check_tensor_need_materialization,
     storage_use_count=torch._C._storage_Use_Count,  # of t.untyped_storage()._cdata
     dtype_info=_dtype_info,
-    **_native_layout(),
 )
