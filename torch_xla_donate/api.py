@@ -20,7 +20,7 @@ import warnings
 
 import torch
 
-from . import _C, _xla, config, poison
+from . import _C, _xla, config, poison, step_hook
 from .dtypes import xla_dtype_name
 from .errors import DonatedBufferError, DonationDisabledWarning
 
@@ -38,24 +38,47 @@ def donate_buffer(tensor: torch.Tensor) -> None:
     Raises:
       TypeError: ``tensor`` is not a torch.Tensor.
       ValueError: it is not on an XLA device, has pending computation (call
-        ``xm.mark_step()`` first), or is a view or has live views/aliases.
+        ``xm.mark_step()`` first), is a view or has live views/aliases, is
+        saved for backward by a live autograd graph, or is a 0-dim scalar.
       DonatedBufferError: it was donated already.
     """
     # The common case is one native call (checks, donor flag, ledger entry;
-    # the "1" blames our caller's line).  Anything unusual goes through
-    # ``_mark_checked``, which raises or warns precisely.
-    if not (config.enabled() and _C.try_mark(tensor, 1)):
-        _mark_checked(tensor, _caller(1))
+    # the "1" blames our caller's line): a plain tensor or parameter passing
+    # every check of ``_check_donatable``, 0-dim and autograd ones included.
+    # Anything unusual goes through ``_mark_checked``, which raises or warns
+    # precisely.
+    with step_hook._lock:  # see _mark_checked
+        if config.enabled() and _C.try_mark(tensor, 1):
+            return
+    _check_tensor("donate_buffer", tensor)
+    torch._check_value(
+        tensor.dim() > 0 or not _xla.is_xla(tensor) or poison.is_poisoned(tensor),
+        lambda: f"donate_buffer: {_describe(tensor)} is 0-dimensional. {_SCALARS}",
+    )
+    _mark_checked(tensor, _caller(1))
+
+
+# Why scalars are never donated.  Helpers that donate whole trees for the
+# user (``donate``, ``donating``) skip them quietly, as they skip numbers.
+_SCALARS = (
+    "torch_xla keeps one device buffer per scalar value moved to the device "
+    "(torch.tensor(2.5, device=...), torch.full((), ...), t.to(device)) and hands "
+    "it to every such tensor and constant: donating it would delete that value "
+    "for all of them. A scalar saves no memory; do not donate it."
+)
 
 
 def _mark(tensor, where) -> None:
     """Marks one tensor; ``where`` is the (file, line) blamed in messages.
 
     Split from ``donate_buffer`` so helpers that donate on a user's behalf
-    (pytrees, ``donating``) blame the user's line, not their own.
+    (pytrees, ``donating``) blame the user's line, not their own.  Unlike
+    ``donate_buffer`` it skips a 0-dim tensor quietly (see ``_SCALARS``).
     """
-    if not (config.enabled() and _C.try_mark(tensor, where)):
-        _mark_checked(tensor, where)
+    with step_hook._lock:  # see _mark_checked
+        if config.enabled() and _C.try_mark(tensor, where):
+            return
+    _mark_checked(tensor, where)
 
 
 def _mark_checked(tensor, where) -> None:
@@ -77,35 +100,46 @@ def _mark_checked(tensor, where) -> None:
             "to save the memory."
         )
         return
-    if _C.is_marked(tensor):
-        return
-    torch._check_value(
-        _xla.set_donor(tensor, True),
-        lambda: f"donate_buffer: torch_xla refused to donate {_describe(tensor)}: "
-        "it is not plain device data. Materialize a copy first: "
-        "t = t.clone(); xm.mark_step().",
-    )
-    file, line = where
-    _C.mark(
-        tensor,
-        file,
-        line,
-        tuple(tensor.shape),
-        xla_dtype_name(tensor.dtype),
-        tensor.nbytes,
-    )
+    if tensor.dim() == 0:
+        return  # never donated, see _SCALARS; donate_buffer refused it already
+    # A mark is two things: torch_xla's donor flag and the ledger entry.  A
+    # barrier in another thread must see both or neither: between them it
+    # would donate a buffer the ledger does not know (nothing poisoned), or
+    # commit an entry whose flag is not set yet.  Barriers hold this lock.
+    with step_hook._lock:
+        if _C.is_marked(tensor):
+            return
+        torch._check_value(
+            _xla.set_donor(tensor, True),
+            lambda: f"donate_buffer: torch_xla refused to donate {_describe(tensor)}: "
+            "it is not plain device data. Materialize a copy first: "
+            "t = t.clone(); xm.mark_step().",
+        )
+        file, line = where
+        _C.mark(
+            tensor,
+            file,
+            line,
+            tuple(tensor.shape),
+            xla_dtype_name(tensor.dtype),
+            tensor.nbytes,
+        )
 
 
 def _check_donatable(tensor) -> None:
     """Raises the error ``donate_buffer`` would raise for ``tensor``, if any."""
-    if _C.is_donatable(tensor):  # every check below passes: one native call
+    # Every check below passes: one native call, and the ones it lacks.
+    if _C.is_donatable(tensor):
         return
-    torch._check_type(
-        isinstance(tensor, torch.Tensor),
-        lambda: f"donate_buffer expects a torch.Tensor, got {type(tensor).__name__}.",
-    )
+    _check_tensor("donate_buffer", tensor)
     if poison.is_poisoned(tensor) and poison._settled_consumed(tensor):
         raise poison.donated_error(tensor)
+    torch._check_type(
+        not _wraps_others(tensor),
+        lambda: f"donate_buffer: {type(tensor).__name__} is a tensor subclass with its "
+        "own __torch_dispatch__ (a wrapper made with _make_wrapper_subclass): it has "
+        "no XLA buffer of its own to donate. Donate the XLA tensors it wraps instead.",
+    )
     torch._check_value(
         _xla.is_xla(tensor),
         lambda: f"donate_buffer expects a tensor on an XLA device, got one on "
@@ -114,9 +148,9 @@ def _check_donatable(tensor) -> None:
     torch._check_value(
         not tensor._is_view(),
         lambda: f"donate_buffer: {_describe(tensor)} is a view (t[...], reshape, "
-        "transpose, ...) of another tensor's buffer; only plain device data can be "
-        "donated. Donate its base tensor, or materialize a copy first: "
-        "t = t.clone(); xm.mark_step().",
+        "transpose, t.as_subclass(...), ...) of another tensor's buffer; only plain "
+        "device data can be donated. Donate its base tensor, or materialize a copy "
+        "first: t = t.clone(); xm.mark_step().",
     )
     torch._check_value(
         not _xla.has_pending_ir([tensor])[0],
@@ -129,9 +163,41 @@ def _check_donatable(tensor) -> None:
         uses == 1,
         lambda: f"donate_buffer: {_describe(tensor)} shares its buffer with "
         f"{uses - 1} other live tensor(s) (views such as t[0:2], aliases such as "
-        "t.detach() or nn.Parameter(t)). Donating would destroy them too. Delete "
-        "them first, or donate a copy made with t.clone() and xm.mark_step().",
+        "t.detach() or nn.Parameter(t), or an autograd graph that saved it for "
+        "backward). Donating would destroy them too. Delete them first (or run "
+        "backward), or donate a copy made with t.clone() and xm.mark_step().",
     )
+    torch._check_value(
+        not _held_by_autograd(tensor),
+        lambda: f"donate_buffer: {_describe(tensor)} is saved for backward by a live "
+        "autograd graph (e.g. loss = (w * w).sum() saves w until loss.backward()); "
+        "donated, that backward would fail on a deleted buffer. Call backward first "
+        "(it frees what it saved) or drop the graph (del loss), then donate.",
+    )
+
+
+def _wraps_others(t) -> bool:
+    """True for a tensor subclass with its own ``__torch_dispatch__`` (made
+    with ``_make_wrapper_subclass``): its data lives in the tensors it wraps."""
+    return torch._C._dispatch_keys(t).has(torch._C.DispatchKey.Python)
+
+
+_held_by_autograd = step_hook.held_by_autograd
+
+
+def _check_tensor(name, tensor) -> None:
+    """TypeError unless ``tensor`` is a tensor, pointing containers at ``donate``."""
+    if isinstance(tensor, torch.Tensor):
+        return
+    hint = ""
+    items = tensor.values() if isinstance(tensor, dict) else tensor
+    if isinstance(tensor, (torch.nn.Module, torch.optim.Optimizer)) or (
+        isinstance(tensor, (list, tuple, dict))
+        and any(isinstance(x, (torch.Tensor, list, tuple, dict)) for x in items)
+    ):
+        hint = (" For the tensors of a list, dict, module, optimizer or any pytree, "
+                "use torch_xla_donate.donate(tree).")
+    raise TypeError(f"{name} expects a torch.Tensor, got {type(tensor).__name__}.{hint}")
 
 
 def undonate(tensor: torch.Tensor) -> bool:
@@ -141,16 +207,19 @@ def undonate(tensor: torch.Tensor) -> bool:
     Raises ``DonatedBufferError`` if the step already consumed the buffer:
     too late to cancel.
     """
+    _check_tensor("undonate", tensor)
     if poison.is_poisoned(tensor) and poison._settled_consumed(tensor):
         raise poison.donated_error(tensor)
-    if _C.unmark(tensor) is None:
-        return False
-    _xla.set_donor(tensor, False)
+    with step_hook._lock:  # entry and flag go together; see _mark_checked
+        if _C.unmark(tensor) is None:
+            return False
+        _xla.set_donor(tensor, False)
     return True
 
 
 def is_donated(tensor: torch.Tensor) -> bool:
     """True while ``tensor`` is marked and waiting for the next step."""
+    _check_tensor("is_donated", tensor)
     return _C.is_marked(tensor)
 
 
@@ -160,6 +229,7 @@ def is_deleted(tensor: torch.Tensor) -> bool:
     May wait for the device: right after ``sync(wait=False)`` whether XLA
     took the buffer is not known until the step has been dispatched.
     """
+    _check_tensor("is_deleted", tensor)
     return poison.is_poisoned(tensor) and poison._settled_consumed(tensor)
 
 

@@ -27,6 +27,11 @@ Several devices in one process (``torch_xla.launch`` runs one thread per
 local device): a barrier syncs only its own device, so it commits only the
 marks on that device and judges only that device's open verdicts; see
 "Several devices" below.
+
+A step that fails (compile error, out of memory, an exception in the body of
+``with torch_xla.step():``) consumes nothing: its donations are settled
+STEP_FAILED and keep their values, also when the failure of an asynchronous
+step surfaces only later; see "Failed steps" below.
 """
 import sys
 import threading
@@ -47,20 +52,24 @@ _in_flight = []
 
 def install() -> None:
     """Routes every torch_xla step barrier through the hook (idempotent)."""
-    global _real_step_marker
+    global _real_step_marker, _real_wait_device_ops
     with _lock:
         if _real_step_marker is None:
             _real_step_marker = _xla._XLAC._xla_step_marker
             _xla._XLAC._xla_step_marker = _step_marker
+            _real_wait_device_ops = _xla._XLAC._xla_wait_device_ops
+            _xla._XLAC._xla_wait_device_ops = _wait_device_ops
             poison._settle_hook = _settle_one
 
 
 def uninstall() -> None:
-    global _real_step_marker
+    global _real_step_marker, _real_wait_device_ops
     with _lock:
         if _real_step_marker is not None:
             _xla._XLAC._xla_step_marker = _real_step_marker
             _real_step_marker = None
+            _xla._XLAC._xla_wait_device_ops = _real_wait_device_ops
+            _real_wait_device_ops = None
 
 
 def installed() -> bool:
@@ -73,19 +82,35 @@ def _step_marker(device="", devices=(), wait=True, reset_scope=True):
         if _is_compile_prologue():
             return _flush_keeping_marks(device, devices, wait, reset_scope)
         here = _barrier_device(device)
-        mine, others = _split_by_device(_in_flight, here)
-        _in_flight = _settle(mine, certain=False) + others
+        # No verdict of an earlier step before the real barrier: it may still
+        # be dispatching, and a buffer reads as deleted while XLA holds it for
+        # a donation it may yet give back (see _settle_one).
         step, tensors, records = _begin_step_on(here)
-        donors = _drop_unsafe(tensors, records)
+        try:
+            donors = _drop_unsafe(tensors, records)
+        except Exception:
+            # Only junk put straight into the ledger (``_C.mark(obj, ...)``
+            # with something that is no XLA tensor) gets here: cancel it and
+            # go on, so that the step runs and the real marks stay consistent.
+            tensors, records = _cancel_junk(tensors, records)
+            donors = _drop_unsafe(tensors, records)
+        if donors and not config.enabled():
+            _abandon(donors, _C.Verdict.DISABLED)  # switched off after marking
+            donors = []
+        elif donors and _step_block_failed():
+            _abandon(donors, _C.Verdict.STEP_FAILED)  # see "Failed steps"
+            donors = []
         try:
             _real_step_marker(device, devices, wait=wait, reset_scope=reset_scope)
         except BaseException:
+            _note_failure()
             _abandon(donors, _C.Verdict.STEP_FAILED)
             raise
         # The donor set is fixed: clear each donor's flag and poison it (see
         # the module doc).  One native call does ``_xla.set_donor(t, False)``
         # and ``poison.poison(t, record)`` per donor.
         _C.poison_donors(donors)
+        _dispatched(here, step if wait else step - 1)
         # This barrier could not start before the previous step of its
         # device was dispatched, so the earlier verdicts of this device are
         # certain now; this step's are certain only if we waited for it.
@@ -104,27 +129,97 @@ def _drop_unsafe(tensors, records):
     # (_xla.storage_use_count(t) > 1) -> flag cleared, CANCELLED, dropped;
     # else a donor.
     donors, dropped = _C.split_committed(tensors, records, updated)
+    if any(t.requires_grad for t, _ in donors):
+        donors = _drop_held_by_autograd(donors, dropped)
     if dropped:
         _warn(
             DroppedDonationWarning,
-            "Donations dropped before step {step}: {items}. A view or alias of "
-            "each (t[...], t.detach(), ...) was created after donate_buffer(t) "
-            "and is still alive; donating would destroy it too. These tensors "
-            "keep their values; drop the views before the step to donate them.",
+            "Donations dropped before a step{at_step}: {items}. After "
+            "donate_buffer(t), a view or alias of each was created (t[...], "
+            "t.detach(), ...) or an autograd graph saved it for backward, and "
+            "is still alive; donating would destroy it too. These tensors keep "
+            "their values; drop the views (or run backward) before the step to "
+            "donate them.",
             dropped,
         )
     return donors
 
 
+def held_by_autograd(t) -> bool:
+    """True when C++ code besides ``t`` itself holds ``t``'s TensorImpl: an
+    autograd graph that saved it for backward (``w * w`` saves ``w``).
+
+    Python references do not count, and neither does the AccumulateGrad node a
+    leaf that requires grad gets once a graph uses it (it never reads the
+    value).  Decided only while no view or alias shares ``t``'s storage: views
+    hold their base too (twice, on XLA), and a shared storage is refused
+    anyway.  Not a tensor: False.
+
+    >>> w = torch.ones(2, requires_grad=True)
+    >>> held_by_autograd(w)
+    False
+    >>> loss = (w * w).sum()
+    >>> held_by_autograd(w)
+    True
+    >>> loss.backward()
+    >>> held_by_autograd(w)
+    False
+    """
+    if not isinstance(t, torch.Tensor):
+        return False
+    if t._use_count() <= 1 + (t.is_leaf and t.requires_grad):
+        return False  # the common case, cheaply
+    try:
+        return torch._C._storage_Use_Count(t.untyped_storage()._cdata) == 1
+    except RuntimeError:  # no storage (a wrapper subclass): other checks say why
+        return False
+
+
+def _drop_held_by_autograd(donors, dropped) -> list:
+    """Drops (CANCELLED, flag cleared, appended to ``dropped``) the donors an
+    autograd graph built after marking still holds; returns the others."""
+    keep = []
+    for t, record in donors:
+        if held_by_autograd(t):
+            _xla.set_donor(t, False)
+            _C.settle(record, _C.Verdict.CANCELLED)
+            dropped.append(record)
+        else:
+            keep.append((t, record))
+    return keep
+
+
+def _cancel_junk(tensors, records):
+    """Settles CANCELLED the committed entries that are not XLA tensors;
+    returns the others."""
+    keep_t, keep_r = [], []
+    for t, record in zip(tensors, records):
+        if isinstance(t, torch.Tensor) and t.device.type == "xla":
+            keep_t.append(t)
+            keep_r.append(record)
+        else:
+            _C.settle(record, _C.Verdict.CANCELLED)
+    return keep_t, keep_r
+
+
 def _settle(entries, certain: bool) -> list:
     """Settles in-flight donations; returns those still unknown.
 
-    A deleted buffer is a certain "consumed".  A live one means "unused" only
-    once ``certain`` that its step was dispatched.
+    Only once ``certain`` that their step was dispatched: then a deleted
+    buffer is "consumed" and a live one "unused".  Before that a buffer may
+    read as deleted while XLA holds it for a donation it gives back if the
+    step fails, so nothing is concluded.
     """
+    if not certain:
+        return entries
     # Natively, per entry: skip it if a use of the tensor settled it in the
     # meantime; CONSUMED if _xla.buffer_deleted(t); else unused or unknown.
     unknown, unused = _C.settle_entries(entries, certain)
+    if unused and _failed_through:
+        failed = [e for e in unused if _in_failed_step(e[1])]
+        unused = [e for e in unused if not _in_failed_step(e[1])]
+        for t, record in failed:
+            _fail(t, record)
     for t, record in unused:
         _unuse(t, record)
     if unused:
@@ -137,17 +232,25 @@ def _settle_one(t) -> None:
     Called on the first use of a tensor whose verdict is still open."""
     with _lock:
         record = poison.donation_record(t)
-        if record.verdict != _C.Verdict.IN_FLIGHT:
+        # None: another thread's barrier found it unused and unpoisoned it
+        # between the caller's look at it and here.
+        if record is None or record.verdict != _C.Verdict.IN_FLIGHT:
             return
-        deleted = _xla.buffer_deleted(t)
-    if not deleted:
-        # Never wait while holding the lock: see "Several devices".
+    # Unless its step is known to be dispatched, wait, even when the buffer
+    # reads as deleted already: that may be XLA holding it for a donation
+    # that a failing step gives back.  Never wait while holding the lock: see
+    # "Several devices".  A failure of the step surfaces here (see "Failed
+    # steps"): the verdict stays open and the error goes to the user's line.
+    if record.step > _dispatched_through(t.device):
         _xla.wait_device_ops(t.device)
     with _lock:
         if record.verdict != _C.Verdict.IN_FLIGHT:
             return  # settled by a barrier while we waited
         if _xla.buffer_deleted(t):
             _C.settle(record, _C.Verdict.CONSUMED)
+            _notify_settled()
+        elif _in_failed_step(record):
+            _fail(t, record)
             _notify_settled()
         else:
             _unuse(t, record)
@@ -161,7 +264,12 @@ def settle_in_flight() -> None:
     with _lock:
         entries, _in_flight = _in_flight, []
     if entries:
-        _xla.wait_device_ops()  # outside the lock: see "Several devices"
+        try:
+            _xla.wait_device_ops()  # outside the lock: see "Several devices"
+        except BaseException:
+            with _lock:  # a failed step surfaced: keep the verdicts open
+                _in_flight = entries + _in_flight
+            raise
         with _lock:
             try:
                 _settle(entries, certain=True)
@@ -192,12 +300,20 @@ def _abandon(donors, verdict) -> None:
         _C.settle(record, verdict)
 
 
+def _fail(t, record) -> None:
+    """An in-flight donation whose step failed: it keeps its value, quietly
+    (the step's error is the user's news, not an unused donation)."""
+    _xla.set_donor(t, False)
+    _C.settle(record, _C.Verdict.STEP_FAILED)
+    poison.unpoison(t)
+
+
 def _warn_unused(records) -> None:
     """Tells the user which donations no output could take: a warning, or
     in strict mode an error (raised after the ledger is consistent)."""
     _warn(
         UnusedDonationError if config.strict() else UnusedDonationWarning,
-        "Some donated buffers were not usable at step {step}: {items}. No "
+        "Some donated buffers were not usable{at_step}: {items}. No "
         "output of the step could take them (or they were no input of its "
         "graph); they keep their values and are no longer marked.",
         records,
@@ -206,10 +322,13 @@ def _warn_unused(records) -> None:
 
 def _warn(category, template, records) -> None:
     items = ", ".join(f"{r.shape_string} (donated at {r.where})" for r in records)
-    message = template.format(step=records[0].step, items=items)
     if issubclass(category, Exception) and not issubclass(category, Warning):
-        raise category(message)
-    warnings.warn(message, category, stacklevel=_user_stacklevel())
+        raise category(template.format(at_step=f" at step {records[0].step}", items=items))
+    # No step number in a warning: a loop that repeats the same unusable
+    # donation must repeat the same text, which Python's default filter then
+    # shows once.  A text per step would be shown, and remembered in the
+    # caller's __warningregistry__, at every step, without bound.
+    warnings.warn(template.format(at_step="", items=items), category, stacklevel=_user_stacklevel())
 
 
 # -- torch_xla.compile / torch_xla.step() ------------------------------------
@@ -240,6 +359,93 @@ def _flush_keeping_marks(device, devices, wait, reset_scope):
     finally:
         for t in marked:
             _xla.set_donor(t, True)
+
+
+# -- Failed steps -------------------------------------------------------------
+#
+# A step that raises at its barrier (compile error, or the out-of-memory of an
+# earlier asynchronous step that torch_xla reports at the next barrier)
+# abandons its own donations: STEP_FAILED, flag cleared, value kept.
+#
+# A step dispatched with ``sync(wait=False)`` can fail later, while running.
+# torch_xla then reports the error once, at the next barrier or wait for the
+# device, whoever comes first: our barrier, our own wait when a verdict is
+# settled (a use of the tensor, ``is_deleted``, ``settle_in_flight``), or the
+# user's ``xm.wait_device_ops()``, which we wrap to listen.  A donated input
+# of a failed step is not deleted, which alone would read "unused"; so every
+# failure seen marks the steps committed so far as failed, and their open
+# verdicts whose buffer survived settle STEP_FAILED, without an unused
+# warning (or UnusedDonationError in strict mode).  An unused donation of an
+# earlier step still open at that moment is reported as failed too: a failure
+# cannot be attributed to one step, and saying nothing is the safe error.
+# A failure that surfaces elsewhere (``loss.item()`` on an output of the
+# failed step) is invisible to us: those donations read "unused".
+#
+# ``with torch_xla.step():`` (and ``torch_xla.compile``) syncs on the way out
+# even when its body raised, running whatever part of the step was traced.
+# The donations are abandoned there: the outputs that would take the buffers
+# are lost with the exception, and the old values must not be lost with them.
+
+_real_wait_device_ops = None
+_failed_through = 0  # every step up to this one may have failed
+
+
+def _note_failure() -> None:
+    global _failed_through
+    _failed_through = max(_failed_through, _C.current_step())
+
+
+def _in_failed_step(record) -> bool:
+    return record.step <= _failed_through
+
+
+def _wait_device_ops(*args, **kwargs):
+    """torch_xla's ``_xla_wait_device_ops``, listening: for failed steps, and
+    for steps known to be dispatched (every step so far, once it returns)."""
+    step = _C.current_step()
+    try:
+        result = _real_wait_device_ops(*args, **kwargs)
+    except BaseException:
+        _note_failure()
+        raise
+    devices = kwargs.get("devices", args[0] if args else None)
+    if not devices:  # waited for every device
+        _dispatched(None, step)
+    return result
+
+
+# The newest step known to be dispatched, per device (None: every device).
+# A verdict of such a step is certain without waiting: its buffers no longer
+# change between "held for a donation" and "deleted".
+_dispatched_steps = {}
+
+
+def _dispatched(device, step) -> None:
+    if step > _dispatched_steps.get(device, 0):
+        _dispatched_steps[device] = step
+
+
+def _dispatched_through(device) -> int:
+    return max(_dispatched_steps.get(device, 0), _dispatched_steps.get(None, 0))
+
+
+def _step_block_failed() -> bool:
+    """True when this barrier is the sync that ``torch_xla.compile`` /
+    ``torch_xla.step()`` runs on the way out of a body that raised.
+
+    Its context manager's ``__exit__`` got the exception (``typ``); the
+    thread's current exception would also be set for a clean block run
+    inside some ``except`` clause, so it cannot tell.
+    """
+    frame = sys._getframe(2)
+    for _ in range(3):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == "_compile" and frame.f_back is not None:
+            exit_frame = frame.f_back
+            return exit_frame.f_code.co_name == "__exit__" and exit_frame.f_locals.get("typ") is not None
+        frame = frame.f_back
+    return False
 
 
 # -- Several devices ----------------------------------------------------------

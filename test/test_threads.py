@@ -1,0 +1,261 @@
+"""Thread safety: marks, queries and barriers from many threads at once.
+
+The ledger keeps its state behind one mutex, and ``donate_buffer`` /
+``undonate`` take the step hook's lock around the two things a mark is made
+of (torch_xla's donor flag and the ledger entry), so a barrier in another
+thread sees either both or neither.  Without that, a barrier between the two
+could donate a buffer the ledger does not know about (nothing poisoned, the
+tensor silently dead), or undonate could report a cancellation while the
+step consumed the buffer.  Each stress test runs a bounded number of
+iterations and checks, at the end, the ground truth of every tensor: its
+buffer is deleted if and only if it is poisoned, and a tensor is marked in
+the ledger if and only if torch_xla's donor flag is set.
+
+torch_xla itself does not promise that one device's lazy tensors can be
+built and synced from several threads at once (we saw "Check failed:
+data()->tensor_data" doing so), so the tests serialize their torch_xla work
+(building ops, barriers) under ``XLA_OPS``; the plugin's calls
+(``donate_buffer``, ``undonate``, queries) stay outside it, racing the
+barriers.
+"""
+import random
+import sys
+import threading
+import time
+import warnings
+
+import pytest
+import torch
+import torch_xla
+import torch_xla.core.xla_model as xm
+
+import torch_xla_donate as tdx
+from torch_xla_donate import _C, poison, step_hook
+from helpers import materialize
+
+XLA_OPS = threading.Lock()  # see the module doc
+THREADS = 16
+PER_THREAD = 24
+TIMEOUT = 60
+
+
+@pytest.fixture(autouse=True)
+def fast_thread_switches():
+    """Switch threads every microsecond instead of every 5 ms: races that
+    need a switch at one precise bytecode show up in a short run."""
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    yield
+    sys.setswitchinterval(previous)
+
+
+def _run_threads(targets):
+    """Starts all targets together, joins them, re-raises the first error."""
+    errors = []
+    start = threading.Barrier(len(targets))
+
+    def wrap(fn):
+        def run():
+            try:
+                start.wait()
+                fn()
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+        return run
+
+    threads = [threading.Thread(target=wrap(fn)) for fn in targets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT)
+        assert not t.is_alive(), "a thread hung: deadlock?"
+    if errors:
+        raise errors[0]
+
+
+def _flag(t) -> bool:
+    return torch_xla._XLAC._get_buffer_donation(t)
+
+
+def _assert_consistent(tensors):
+    """Ground truth of every tensor against the plugin's view of it."""
+    step_hook.settle_in_flight()
+    xm.wait_device_ops()
+    marked = {id(t) for t in _C.marked_tensors()}
+    assert _C.marked_count() == len(marked)
+    for t in tensors:
+        deleted = torch_xla._XLAC._is_placecholder(t)
+        assert deleted == poison.is_poisoned(t), "poisoned iff the buffer is gone"
+        assert tdx.is_deleted(t) == deleted
+        if not deleted:
+            assert tdx.is_donated(t) == (id(t) in marked)
+            assert _flag(t) == tdx.is_donated(t), "donor flag iff marked"
+
+
+def test_marks_from_many_threads_before_one_step(dev):
+    groups = [[materialize(torch.full((32,), float(g * 100 + i), device=dev))
+               for i in range(PER_THREAD)] for g in range(THREADS)]
+    shared = [materialize(torch.full((32,), -1.0, device=dev)) for _ in range(8)]
+
+    def marker(group):
+        def run():
+            for t in group + shared:  # every thread also marks the shared ones
+                tdx.donate_buffer(t)
+                assert tdx.is_donated(t)
+        return run
+
+    _run_threads([marker(g) for g in groups])
+    everyone = [t for g in groups for t in g] + shared
+    assert _C.marked_count() == len(everyone)  # marking twice counts once
+    assert all(tdx.is_donated(t) and _flag(t) for t in everyone)
+    outs = [t * 2 for t in everyone]
+    torch_xla.sync(wait=True)
+    stats = _C.step_stats()
+    assert stats["donated"] == stats["consumed"] == len(everyone)
+    assert all(tdx.is_deleted(t) for t in everyone)
+    for g, group in enumerate(groups):
+        for i in range(PER_THREAD):
+            assert outs[g * PER_THREAD + i].cpu()[0].item() == 2 * (g * 100 + i)
+    _assert_consistent(everyone)
+
+
+def test_queries_while_other_threads_mark_and_undonate(dev):
+    tensors = [materialize(torch.full((16,), float(i), device=dev)) for i in range(64)]
+    stop = threading.Event()
+    cancelled = []
+
+    def marker(seed):
+        def run():
+            rng = random.Random(seed)
+            for _ in range(1500):
+                tdx.donate_buffer(rng.choice(tensors))
+            stop.set()
+        return run
+
+    def canceller(seed):
+        def run():
+            rng = random.Random(seed)
+            while not stop.is_set():
+                t = rng.choice(tensors)
+                if tdx.undonate(t):
+                    cancelled.append(t)
+        return run
+
+    def querier(seed):
+        def run():
+            rng = random.Random(seed)
+            while not stop.is_set():
+                t = rng.choice(tensors)
+                assert tdx.is_donated(t) in (True, False)
+                assert tdx.is_deleted(t) is False  # no barrier runs: nothing consumed
+                _C.marked_count()
+                _C.marked_tensors()
+        return run
+
+    _run_threads([marker(1), marker(2), canceller(3), canceller(4), querier(5), querier(6)])
+    assert cancelled, "the cancellers never met a mark: the test tested nothing"
+    _assert_consistent(tensors)
+    # Then one step: exactly the tensors still marked are consumed.
+    still_marked = [t for t in tensors if tdx.is_donated(t)]
+    outs = [t + 1 for t in tensors]
+    torch_xla.sync(wait=True)
+    for i, (t, out) in enumerate(zip(tensors, outs)):
+        assert tdx.is_deleted(t) == any(t is m for m in still_marked)
+        assert out.cpu()[0].item() == i + 1
+    _assert_consistent(tensors)
+
+
+def _race_marks_against_barriers(dev, n, undo):
+    """One thread marks (and maybe undonates) tensors, each with a pending
+    consumer, while another thread runs barriers as fast as it can."""
+    srcs = [materialize(torch.full((64,), float(i), device=dev)) for i in range(n)]
+    outs = [None] * n
+    undone = [False] * n
+    stop = threading.Event()
+
+    def marker():
+        try:
+            for i, s in enumerate(srcs):
+                with XLA_OPS:
+                    outs[i] = s * 2  # s is an input of whichever step runs next
+                tdx.donate_buffer(s)
+                if undo:
+                    try:
+                        undone[i] = tdx.undonate(s)
+                    except tdx.DonatedBufferError:
+                        pass  # a barrier came first and consumed it: too late
+        finally:
+            stop.set()
+
+    def stepper():
+        while not stop.is_set():
+            with XLA_OPS:
+                torch_xla.sync()
+            # Right after a barrier, a source whose buffer is gone must be
+            # poisoned already: it was donated through the ledger.
+            for s in srcs:
+                if torch_xla._XLAC._is_placecholder(s):
+                    assert poison.is_poisoned(s), "buffer donated behind the ledger's back"
+        torch_xla.sync()
+
+    _run_threads([marker, stepper])
+    _assert_consistent(srcs)
+    for i, s in enumerate(srcs):
+        if undone[i]:
+            assert not tdx.is_deleted(s), "undonate() said cancelled, yet the step took the buffer"
+            assert s.cpu()[0].item() == float(i)
+        assert outs[i].cpu()[0].item() == 2.0 * i
+    return undone
+
+
+def test_barriers_racing_marks(dev):
+    _race_marks_against_barriers(dev, n=150, undo=False)
+
+
+def test_barriers_racing_undonate(dev, monkeypatch):
+    # Widen the window between dropping the ledger entry and clearing the
+    # donor flag, where a barrier used to donate a cancelled tensor.
+    real_unmark = _C.unmark
+
+    def slow_unmark(t):
+        record = real_unmark(t)
+        time.sleep(0.001)
+        return record
+
+    monkeypatch.setattr(_C, "unmark", slow_unmark)
+    undone = _race_marks_against_barriers(dev, n=60, undo=True)
+    assert any(undone)
+
+
+def test_many_threads_each_running_their_own_donating_loop(dev):
+    """Threads that each own a state and step it: all barriers share one
+    device, so any thread's barrier may commit another thread's mark; every
+    state must still end right, and every old state be poisoned."""
+    states = [materialize(torch.zeros(32, device=dev)) for _ in range(4)]
+    olds = [[] for _ in states]
+    results = [None] * len(states)
+
+    def loop(k):
+        def run():
+            state = states[k]
+            for _ in range(25):
+                olds[k].append(state)
+                tdx.donate_buffer(state)
+                with XLA_OPS:
+                    state = state + (k + 1)
+                with XLA_OPS:
+                    torch_xla.sync()
+            results[k] = state
+        return run
+
+    with warnings.catch_warnings():
+        # Another thread's barrier may commit a mark before its owner built
+        # the update that uses it: that donation is unused, and says so.
+        warnings.simplefilter("ignore", tdx.UnusedDonationWarning)
+        _run_threads([loop(k) for k in range(len(states))])
+        torch_xla.sync(wait=True)
+        for k, state in enumerate(results):
+            assert state.cpu().tolist() == [25.0 * (k + 1)] * 32
+        everything = [t for old in olds for t in old]
+        _assert_consistent(everything)
+    assert sum(tdx.is_deleted(t) for t in everything) > len(everything) // 2
