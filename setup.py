@@ -1,15 +1,30 @@
 """Build torch_xla_donate: the Python package and its native ledger `_C`.
 
-Build without isolation so the build uses the installed pybind11:
+Build without isolation so the build uses the installed pybind11 and torch:
     pip install --no-build-isolation -e .
 """
+import os
+
+import torch
 from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import find_packages, setup
 
+# csrc/tensor_facts.cpp reads tensors through torch's c10 headers (they ship
+# in the torch wheel) and links libc10.  -idirafter: torch/include also holds
+# a copy of pybind11, which must not shadow the pybind11 we build with.
+TORCH_DIR = os.path.dirname(torch.__file__)
+TORCH_INCLUDE = os.path.join(TORCH_DIR, "include")
+TORCH_LIB = os.path.join(TORCH_DIR, "lib")
+CXX11_ABI = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+
 ext = Pybind11Extension(
     "torch_xla_donate._C",
-    sources=["csrc/ledger.cpp", "csrc/module.cpp"],
+    sources=["csrc/ledger.cpp", "csrc/module.cpp", "csrc/tensor_facts.cpp"],
     include_dirs=["csrc"],
+    extra_compile_args=["-idirafter", TORCH_INCLUDE, f"-D_GLIBCXX_USE_CXX11_ABI={CXX11_ABI}"],
+    library_dirs=[TORCH_LIB],
+    libraries=["c10"],
+    runtime_library_dirs=[TORCH_LIB],
     cxx_std=17,
 )
 

@@ -5,7 +5,9 @@
 // questions, but only through Python callables that torch_xla_donate._xla
 // hands over at import (`bind`): torch_xla's wheel exports no C++ symbols to
 // link against, and keeping every torch_xla call named in _xla.py keeps an
-// upgrade's breakage in one place.  What C++ saves is the interpreter work
+// upgrade's breakage in one place.  Questions about the torch tensor itself
+// (device, storage sharing, sizes) are answered by torch's C++ headers, in
+// tensor_facts.cpp.  What C++ saves is the interpreter work
 // around those calls: with thousands of donated tensors per step, a Python
 // loop costs more than the torch_xla calls it makes.
 //
@@ -23,6 +25,7 @@
 #include <unordered_map>
 
 #include "ledger.h"
+#include "tensor_facts.h"
 
 namespace py = pybind11;
 using namespace torch_xla_donate;
@@ -170,8 +173,8 @@ struct Hooks {
 Hooks g_hooks;
 
 struct Names {
-  PyObject *is_xla, *is_view, *shape, *dtype, *untyped_storage, *cdata, *klass,
-      *co_filename, *use_count, *is_leaf, *requires_grad, *ndim;
+  PyObject *is_view, *dtype, *untyped_storage, *cdata, *klass, *co_filename, *is_leaf,
+      *requires_grad;
 };
 Names g_names;
 
@@ -192,7 +195,6 @@ int Truth(PyObject* o) {
   return r;
 }
 
-int IsXla(PyObject* t) { return Truth(PyObject_GetAttr(t, g_names.is_xla)); }
 int IsView(PyObject* t) { return Truth(PyObject_CallMethodNoArgs(t, g_names.is_view)); }
 int BufferDeleted(PyObject* t) { return Truth(PyObject_CallOneArg(g_hooks.buffer_deleted, t)); }
 
@@ -201,13 +203,24 @@ int SetDonor(PyObject* t, bool donate) {
   return Truth(PyObject_Vectorcall(g_hooks.set_donor, args, 2, nullptr));
 }
 
+bool IsTensor(PyObject* t);
+
+// The native facts of a torch tensor (tensor_facts.h).  1 read, 0 not a
+// tensor or torch raised (the caller takes the Python route), -1 error.
+int Facts(PyObject* t, TensorFacts* facts) {
+  if (!IsTensor(t)) return 0;
+  PyObject* cdata = PyObject_GetAttr(t, g_names.cdata);  // its TensorImpl
+  if (!cdata) return -1;
+  auto impl = static_cast<uintptr_t>(PyLong_AsUnsignedLongLong(cdata));
+  Py_DECREF(cdata);
+  if (PyErr_Occurred()) return -1;
+  return impl != 0 && ReadTensorFacts(impl, facts) ? 1 : 0;
+}
+
 // torch._C._storage_Use_Count(t.untyped_storage()._cdata), as _xla.py's
-// storage_use_count: 1 unless views or aliases of t are alive.  -1 on error.
-// As in that Python expression, the temporary storage object is gone before
-// the count is read (it holds a reference of its own); `t` keeps the
-// storage itself alive.  We ask torch through its Python API rather than
-// reading c10's structures: their layout is not ours to rely on.
-long StorageUseCount(PyObject* t) {
+// storage_use_count: 1 unless views or aliases of t are alive.  The Python
+// route, for what tensor_facts cannot read.  -1 on error.
+long StorageUseCountViaPython(PyObject* t) {
   PyObject* storage = PyObject_CallMethodNoArgs(t, g_names.untyped_storage);
   if (!storage) return -1;
   PyObject* cdata = PyObject_GetAttr(storage, g_names.cdata);
@@ -219,6 +232,15 @@ long StorageUseCount(PyObject* t) {
   long count = PyLong_AsLong(n);
   Py_DECREF(n);
   return count;
+}
+
+// The same count, natively when possible.  -1 on error.
+long StorageUseCount(PyObject* t) {
+  TensorFacts facts;
+  int r = Facts(t, &facts);
+  if (r < 0) return -1;
+  if (r == 1 && facts.storage_use_count > 0) return facts.storage_use_count;
+  return StorageUseCountViaPython(t);
 }
 
 // Does `t` hold pending computation?  One-element form of
@@ -259,36 +281,20 @@ const DtypeInfo* LookupDtype(PyObject* dtype) {
   return &g_dtypes.emplace(dtype, std::move(d)).first->second;
 }
 
-// Shape, XLA dtype name and byte size of `t`, as api._mark records them.
-// 1 ok, 0 unusual (a symbolic size: let the Python path handle it), -1 error.
-int Describe(PyObject* t, std::vector<int64_t>* shape, std::string* dtype, int64_t* nbytes) {
-  PyObject* size = PyObject_GetAttr(t, g_names.shape);
-  if (!size) return -1;
-  int result = 1;
+// Shape, XLA dtype name and byte size of `t` (whose `facts` were read), as
+// api._mark records them.  1 ok, 0 unusual (symbolic sizes: let the Python
+// path handle it), -1 error.
+int Describe(PyObject* t, const TensorFacts& facts, std::vector<int64_t>* shape,
+             std::string* dtype, int64_t* nbytes) {
+  if (facts.symbolic_sizes) return 0;
   int64_t numel = 1;
-  if (!PyTuple_Check(size)) {
-    result = 0;
-  } else {
-    Py_ssize_t n = PyTuple_GET_SIZE(size);
-    shape->reserve(static_cast<size_t>(n));
-    for (Py_ssize_t i = 0; i < n && result == 1; ++i) {
-      PyObject* d = PyTuple_GET_ITEM(size, i);
-      if (!PyLong_CheckExact(d)) {
-        result = 0;
-        break;
-      }
-      int64_t v = PyLong_AsLongLong(d);
-      shape->push_back(v);
-      numel *= v;
-    }
-  }
-  Py_DECREF(size);
-  if (result != 1) return result;
+  for (int64_t d : facts.sizes) numel *= d;
   PyObject* dt = PyObject_GetAttr(t, g_names.dtype);
   if (!dt) return -1;
   const DtypeInfo* info = LookupDtype(dt);
   Py_DECREF(dt);
   if (!info) return -1;
+  *shape = facts.sizes;
   *dtype = info->name;
   *nbytes = numel * info->itemsize;
   return 1;
@@ -377,30 +383,26 @@ bool IsPlainTensor(PyObject* t) {
 // api's "held by autograd" check: C++ code besides `t` holds its TensorImpl
 // (a graph that saved it for backward), not counting the AccumulateGrad node
 // of a leaf that requires grad.  1 held, 0 not, -1 error.
-int HeldByAutograd(PyObject* t) {
-  PyObject* n = PyObject_CallMethodNoArgs(t, g_names.use_count);
-  if (!n) return -1;
-  long uses = PyLong_AsLong(n);
-  Py_DECREF(n);
-  if (uses == -1 && PyErr_Occurred()) return -1;
-  if (uses <= 1) return 0;
+int HeldByAutograd(PyObject* t, const TensorFacts& facts) {
+  if (facts.impl_use_count <= 1) return 0;
   int leaf = Truth(PyObject_GetAttr(t, g_names.is_leaf));
   if (leaf < 0) return -1;
   int grad = leaf ? Truth(PyObject_GetAttr(t, g_names.requires_grad)) : 0;
   if (grad < 0) return -1;
-  return uses > 1 + (leaf && grad) ? 1 : 0;
+  return facts.impl_use_count > 1 + (leaf && grad) ? 1 : 0;
 }
 
 // The checks of api._check_donatable that pass for an ordinary donation,
-// except the pending-IR one (see TryMark) and the 0-dim one (Describe sees
-// the shape).  1 pass, 0 fail, -1 error.
-int CommonChecks(PyObject* t) {
+// except the pending-IR one (see TryMark) and the 0-dim one.  Fills `facts`.
+// 1 pass, 0 fail, -1 error.
+int CommonChecks(PyObject* t, TensorFacts* facts) {
   if (!IsPlainTensor(t)) return 0;
-  int r = IsXla(t);
+  int r = Facts(t, facts);
   if (r != 1) return r;
+  if (!facts->is_xla || facts->storage_use_count != 1) return 0;
   r = IsView(t);
   if (r != 0) return r < 0 ? -1 : 0;
-  r = HeldByAutograd(t);
+  r = HeldByAutograd(t, *facts);
   if (r != 0) return r < 0 ? -1 : 0;
   return 1;
 }
@@ -428,17 +430,16 @@ PyObject* TryMark(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   PyObject* t = args[0];
   if (!g_hooks.torch_bound() || !g_hooks.poison_bound()) Py_RETURN_FALSE;
-  int r = CommonChecks(t);
-  if (r != 1) return FalseClearingErrors();
+  TensorFacts facts;
+  if (CommonChecks(t, &facts) != 1) return FalseClearingErrors();
   if (std::getenv("XLA_ENABLE_PARAM_ALIASING") != nullptr) Py_RETURN_FALSE;
   if (GlobalLedger().IsMarked(py::handle(t))) Py_RETURN_FALSE;
-  if (StorageUseCount(t) != 1) return FalseClearingErrors();
   std::string file, dtype;
   int line = 0;
   std::vector<int64_t> shape;
   int64_t nbytes = 0;
   if (!ResolveWhere(args[1], &file, &line)) return nullptr;  // caller's bug
-  if (Describe(t, &shape, &dtype, &nbytes) != 1) return FalseClearingErrors();
+  if (Describe(t, facts, &shape, &dtype, &nbytes) != 1) return FalseClearingErrors();
   if (shape.empty()) Py_RETURN_FALSE;  // 0-dim: api refuses it, with a reason
   if (SetDonor(t, true) != 1) return FalseClearingErrors();
   GlobalLedger().Mark(py::reinterpret_borrow<py::object>(t), std::move(file), line,
@@ -450,13 +451,10 @@ PyObject* TryMark(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 // False means "ask the Python checks", which raise the precise error.
 PyObject* IsDonatable(PyObject*, PyObject* t) {
   if (!g_hooks.torch_bound()) Py_RETURN_FALSE;
-  int r = CommonChecks(t);
-  if (r != 1) return FalseClearingErrors();
-  r = Truth(PyObject_GetAttr(t, g_names.ndim));
-  if (r != 1) return FalseClearingErrors();  // 0-dim: api refuses it
-  r = HasPendingIr(t);
-  if (r != 0) return FalseClearingErrors();
-  if (StorageUseCount(t) != 1) return FalseClearingErrors();
+  TensorFacts facts;
+  if (CommonChecks(t, &facts) != 1) return FalseClearingErrors();
+  if (facts.symbolic_sizes || facts.sizes.empty()) Py_RETURN_FALSE;  // 0-dim: api refuses it
+  if (HasPendingIr(t) != 0) return FalseClearingErrors();
   Py_RETURN_TRUE;
 }
 
@@ -636,18 +634,14 @@ py::dict StatsToDict(const StepStats& s) {
 }
 
 void InitNames() {
-  g_names.is_xla = PyUnicode_InternFromString("is_xla");
   g_names.is_view = PyUnicode_InternFromString("_is_view");
-  g_names.shape = PyUnicode_InternFromString("shape");
   g_names.dtype = PyUnicode_InternFromString("dtype");
   g_names.untyped_storage = PyUnicode_InternFromString("untyped_storage");
   g_names.cdata = PyUnicode_InternFromString("_cdata");
   g_names.klass = PyUnicode_InternFromString("__class__");
   g_names.co_filename = PyUnicode_InternFromString("co_filename");
-  g_names.use_count = PyUnicode_InternFromString("_use_count");
   g_names.is_leaf = PyUnicode_InternFromString("is_leaf");
   g_names.requires_grad = PyUnicode_InternFromString("requires_grad");
-  g_names.ndim = PyUnicode_InternFromString("ndim");
 }
 
 }  // namespace

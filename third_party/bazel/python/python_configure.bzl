@@ -7,6 +7,9 @@ C headers and pybind11's headers are, and generates a repository with:
   :python_headers  cc_library of Python.h and friends (no libpython: a Python
                    extension module gets those symbols from the interpreter)
   :pybind11        cc_library of the pybind11 headers (+ :python_headers)
+  :c10             cc_library of torch's c10 headers and libc10.so, from the
+                   torch wheel installed for that python (with torch's
+                   _GLIBCXX_USE_CXX11_ABI)
   :py_toolchain    a Python toolchain whose interpreter is that python, so
                    py_binary / py_test run with it (and its site-packages)
   defs.bzl         PYTHON_BIN, PYTHON_VERSION, PYTHON_EXT_SUFFIX
@@ -33,6 +36,14 @@ print("include=" + include)
 print("pybind11_include=" + pybind11.get_include())
 print("pybind11_version=" + pybind11.__version__)
 print("ext_suffix=" + sysconfig.get_config_var("EXT_SUFFIX"))
+try:
+    import torch
+except ImportError as e:
+    sys.exit("torch is not importable by %s: %s" % (sys.executable, e))
+torch_dir = os.path.dirname(torch.__file__)
+print("torch_include=" + os.path.join(torch_dir, "include"))
+print("torch_lib=" + os.path.join(torch_dir, "lib"))
+print("cxx11_abi=%d" % int(torch._C._GLIBCXX_USE_CXX11_ABI))
 """
 
 _BUILD = """\
@@ -53,6 +64,21 @@ cc_library(
     hdrs = glob(["pybind11_include/pybind11/**/*.h"]),
     includes = ["pybind11_include"],
     deps = [":python_headers"],
+)
+
+# Only what csrc/tensor_facts.cpp includes (c10 and torch/headeronly), not
+# torch/include as a whole: that also holds a pybind11 of its own, which must
+# not shadow :pybind11.
+cc_library(
+    name = "c10",
+    hdrs = glob([
+        "torch_include/c10/**/*.h",
+        "torch_include/torch/headeronly/**/*.h",
+    ]),
+    includes = ["torch_include"],
+    defines = ["_GLIBCXX_USE_CXX11_ABI={cxx11_abi}"],
+    srcs = ["torch_lib/libc10.so"],
+    linkopts = ["-Wl,-rpath,{torch_lib}"],
 )
 
 py_runtime(
@@ -109,12 +135,14 @@ def _python_configure_impl(ctx):
         key, sep, value = line.partition("=")
         if sep:
             info[key.strip()] = value.strip()
-    for key in ["executable", "version", "include", "pybind11_include", "pybind11_version", "ext_suffix"]:
+    for key in ["executable", "version", "include", "pybind11_include", "pybind11_version", "ext_suffix", "torch_include", "torch_lib", "cxx11_abi"]:
         if not info.get(key):
             fail("Probing %s did not report '%s':\n%s" % (python, key, result.stdout))
 
     ctx.symlink(info["include"], "python_include")
     ctx.symlink(info["pybind11_include"], "pybind11_include")
+    ctx.symlink(info["torch_include"], "torch_include")
+    ctx.symlink(info["torch_lib"], "torch_lib")
     ctx.file("WORKSPACE", 'workspace(name = "%s")\n' % ctx.name)
     ctx.file("BUILD", _BUILD.format(**info))
     ctx.file("defs.bzl", _DEFS.format(**info))
@@ -123,5 +151,5 @@ python_configure = repository_rule(
     implementation = _python_configure_impl,
     environ = [_PYTHON_BIN_PATH, "PATH"],
     local = True,
-    doc = "Configures the local Python interpreter, its headers and pybind11.",
+    doc = "Configures the local Python interpreter, its headers, pybind11 and torch's c10.",
 )

@@ -1,0 +1,32 @@
+// See tensor_facts.h.  The only file that includes torch (c10) headers; it
+// is compiled with torch's include path and ABI flag and linked to libc10.
+#include "tensor_facts.h"
+
+#include <c10/core/TensorImpl.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <exception>
+
+namespace torch_xla_donate {
+
+bool ReadTensorFacts(uintptr_t address, TensorFacts* out) {
+  auto* impl = reinterpret_cast<c10::TensorImpl*>(address);
+  try {
+    out->is_xla = impl->is_xla();
+    const c10::Storage& storage = impl->unsafe_storage();  // no throw for storage-less
+    out->storage_use_count = storage ? static_cast<long>(storage.use_count()) : 0;
+    out->impl_use_count = static_cast<long>(c10::raw::intrusive_ptr::use_count(impl));
+    out->itemsize = static_cast<int64_t>(impl->dtype().itemsize());
+    out->symbolic_sizes = impl->has_symbolic_sizes_strides();
+    out->sizes.clear();
+    if (!out->symbolic_sizes) {
+      c10::IntArrayRef sizes = impl->sizes();  // XLA: its own override
+      out->sizes.assign(sizes.begin(), sizes.end());
+    }
+    return true;
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
+}  // namespace torch_xla_donate

@@ -1,0 +1,35 @@
+// What the hot path needs to know about a torch tensor, read natively.
+//
+// Asking these through torch's Python API costs more than the donation
+// itself: `t.untyped_storage()` creates a Python storage object (2-5 us the
+// first time, and one more object for the garbage collector per donated
+// tensor and step), `t.device.type` a device object (1 us).  c10's own
+// headers, which ship in the torch wheel, answer the same questions in
+// nanoseconds.  This header keeps them out of the rest of csrc/: it needs
+// only an address, and no torch type leaks out.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace torch_xla_donate {
+
+struct TensorFacts {
+  bool is_xla = false;
+  // Tensors sharing the storage (1: no live views or aliases); 0 when the
+  // tensor has no storage (a wrapper subclass).
+  long storage_use_count = 0;
+  // Owners of the TensorImpl itself: the Python tensor, plus C++ holders
+  // such as an autograd graph that saved it for backward.
+  long impl_use_count = 0;
+  bool symbolic_sizes = false;  // dynamic shapes: sizes below are not filled
+  std::vector<int64_t> sizes;
+  int64_t itemsize = 0;
+};
+
+// Reads the facts of the tensor whose c10::TensorImpl is at `impl` (the
+// address torch's Python binding gives as `t._cdata`).  False if torch
+// raised while answering (the caller then takes the Python route).
+bool ReadTensorFacts(uintptr_t impl, TensorFacts* out);
+
+}  // namespace torch_xla_donate
