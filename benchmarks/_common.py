@@ -61,7 +61,11 @@ def machine_line(m: dict) -> str:
 
 
 def child_env(extra=None) -> dict:
+    """The environment of a child: this checkout's package first on the path
+    (the benchmarks measure the code next to them, installed or not)."""
     env = dict(os.environ)
+    repo = os.path.dirname(HERE)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, env.get("PYTHONPATH")]))
     env.setdefault("PJRT_DEVICE", "CPU")
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     env.update(extra or {})

@@ -32,6 +32,7 @@ MODES = [
     "JAX jit(donate_argnums=0)",
 ]
 TARGET = 0.02  # growth within 2% of the state size
+NOISE = 0.01  # what "no worse than JAX" tolerates: page-level noise
 # Every buffer of 64 KiB or more gets its own mapping, returned to the
 # system when freed: the resident size then follows the live buffers, in
 # every mode alike.  (By default glibc raises this threshold after the first
@@ -189,14 +190,15 @@ def main():
             ])
         ours = results[f"{wname} | torch_xla_donate.donate_buffer"]
         jax_d = results[f"{wname} | JAX jit(donate_argnums=0)"]
-        ok = ours["growth"] <= TARGET * ours["state_bytes"] and ours["growth"] <= max(
-            jax_d["growth"], TARGET * ours["state_bytes"]
-        )
+        # "No worse than JAX" up to measurement noise: 1% of the state.
+        ok = (ours["growth"] <= TARGET * ours["state_bytes"]
+              and ours["growth"] <= jax_d["growth"] + NOISE * ours["state_bytes"])
         verdicts.append(
             f"- {wname}: donate_buffer grew {ours['growth'] / C.MiB:+.1f} MiB "
             f"({100 * ours['growth'] / ours['state_bytes']:.1f}% of the state), JAX with "
             f"donation {jax_d['growth'] / C.MiB:+.1f} MiB: "
-            f"{'target met' if ok else 'TARGET MISSED'} (≤ {100 * TARGET:.0f}% and no worse than JAX)."
+            f"{'target met' if ok else 'TARGET MISSED'} (≤ {100 * TARGET:.0f}% of the state, "
+            f"and no more than JAX's + {100 * NOISE:.0f}% of the state)."
         )
     text = C.table(
         ["state", "mode", "state MiB", "peak RSS growth MiB", "of state", "ms/step"], rows

@@ -22,3 +22,45 @@ def clean_ledger():
     step_hook.settle_in_flight()
     for t in _C.marked_tensors():
         tdx.undonate(t)
+
+
+# -- Tests that run in a process of their own ----------------------------------
+#
+# torch_xla 2.9 (XLA:CPU) corrupts the heap of its process when a step whose
+# graph has donated buffers fails to compile: with torch_xla's own
+# ``_set_buffer_donation``, without this plugin
+# (tools/repros/compile_error_with_donation.py).  The corruption shows up
+# later, as a crash of whatever test runs next.  Tests that provoke
+# such a failure carry ``@pytest.mark.own_process``: they run in a fresh
+# interpreter, and pass only if it passes them.
+
+_CHILD = "TDX_OWN_PROCESS_CHILD"
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "own_process: run this test in a fresh Python process (see conftest.py)")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    if pyfuncitem.get_closest_marker("own_process") is None or os.environ.get(_CHILD):
+        return None
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", pyfuncitem.nodeid],
+        cwd=pyfuncitem.config.rootpath,
+        env=dict(os.environ, **{_CHILD: "1"}),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if proc.returncode != 0 or "1 passed" not in proc.stdout:
+        pytest.fail(
+            f"{pyfuncitem.nodeid} failed in its own process (exit {proc.returncode}):\n"
+            f"{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}",
+            pytrace=False,
+        )
+    return True
