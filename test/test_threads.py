@@ -259,3 +259,71 @@ def test_many_threads_each_running_their_own_donating_loop(dev):
         everything = [t for old in olds for t in old]
         _assert_consistent(everything)
     assert sum(tdx.is_deleted(t) for t in everything) > len(everything) // 2
+
+
+def test_queries_racing_asynchronous_barriers(dev):
+    """``is_deleted``/``is_donated`` from many threads while another thread
+    runs a donating loop with ``sync(wait=False)``: the queries settle open
+    verdicts themselves (``is_deleted`` may wait for the device), racing the
+    barriers that settle the same verdicts.  Every donation here is usable,
+    so each must end consumed exactly once; a query may never see a tensor
+    deleted and later alive, nor deleted while its buffer is there."""
+    steps, queriers = 200, 8
+    state = materialize(torch.zeros(32, device=dev))
+    inc = materialize(torch.ones(32, device=dev))
+    olds = []
+    stop = threading.Event()
+    queries = [0] * queriers
+    totals_before = _C.totals()
+
+    def loop():
+        nonlocal state
+        try:
+            for _ in range(steps):
+                tdx.donate_buffer(state)
+                with XLA_OPS:
+                    old, state = state, state + inc
+                    torch_xla.sync(wait=False)
+                olds.append(old)
+        finally:
+            stop.set()
+
+    def querier(k):
+        def run():
+            rng = random.Random(k)
+            deleted_seen = set()
+            while not stop.is_set() or len(deleted_seen) < len(olds):
+                if not olds:
+                    continue
+                i = rng.randrange(len(olds))
+                t = olds[i]
+                deleted = tdx.is_deleted(t)
+                queries[k] += 1
+                assert not tdx.is_donated(t), "a committed donation still reads as marked"
+                if i in deleted_seen:
+                    assert deleted, "deleted, then alive again"
+                if deleted:
+                    deleted_seen.add(i)
+                    assert torch_xla._XLAC._is_placecholder(t), "poisoned, yet the buffer is there"
+                    with pytest.raises(tdx.DonatedBufferError):
+                        t + 1  # raises before reaching torch_xla
+                if stop.is_set() and not deleted:
+                    # The loop is over: every open verdict is settled by the
+                    # query itself, and every donation was usable.
+                    raise AssertionError(f"donation {i} not consumed after the loop")
+        return run
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _run_threads([loop] + [querier(k) for k in range(queriers)])
+        torch_xla.sync(wait=True)
+    assert not [w for w in caught if issubclass(w.category, (tdx.UnusedDonationWarning,
+                                                               tdx.DroppedDonationWarning))]
+    assert min(queries) > 0
+    assert len(olds) == steps
+    _assert_consistent(olds)
+    assert all(tdx.is_deleted(t) for t in olds)
+    assert state.cpu().tolist() == [float(steps)] * 32
+    totals = _C.totals()
+    delta = {k: totals[k] - totals_before[k] for k in ("donated", "consumed", "unused", "failed")}
+    assert delta == {"donated": steps, "consumed": steps, "unused": 0, "failed": 0}
