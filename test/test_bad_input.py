@@ -134,6 +134,56 @@ def test_data_alias_alive_refuses(dev):
     assert alias.cpu().tolist() == [1.0] * 4
 
 
+def test_permuted_non_contiguous_tensor_is_a_view(dev):
+    x = materialize(torch.arange(24.0, device=dev).reshape(2, 3, 4).clone())
+    expected = torch.arange(24.0).reshape(2, 3, 4).permute(2, 0, 1)
+    p = x.permute(2, 0, 1)  # XLA tensors have no strides: is_contiguous() says True
+    with pytest.raises(ValueError, match=r"f32\[4,2,3\] is a view"):
+        tdx.donate_buffer(p)
+    _untouched(p, expected)
+    _untouched(x, torch.arange(24.0).reshape(2, 3, 4))
+
+
+def test_parameter_wrapping_a_live_tensor_refuses_both(dev):
+    """``nn.Parameter(t)`` shares ``t``'s buffer: while both are alive,
+    neither may be donated (the step would destroy the other)."""
+    t = materialize(torch.full((4,), 2.0, device=dev))
+    w = torch.nn.Parameter(t)
+    for x in (w, t):
+        with pytest.raises(ValueError, match="shares its buffer with 1 other live tensor"):
+            tdx.donate_buffer(x)
+        _untouched(x, torch.full((4,), 2.0))
+    del t, x  # the advice: drop the alias; the parameter is then donatable
+    tdx.donate_buffer(w)
+    with torch.no_grad():
+        new_w = w * 3
+    torch_xla.sync(wait=True)
+    assert tdx.is_deleted(w) and isinstance(w, torch.nn.Parameter)
+    assert new_w.cpu().tolist() == [6.0] * 4
+
+
+def test_undonate_and_queries_of_a_tensor_never_marked(dev):
+    """Documented behaviour, not an error: ``undonate`` returns False and the
+    queries say no, also for tensors that could never be donated."""
+    t = materialize(torch.ones(4, device=dev))
+    ptr = buffer_ptr(t)
+    for x in (t, torch.ones(3), t[0:2], torch.ones(2, device="meta")):
+        assert tdx.undonate(x) is False
+        assert tdx.is_donated(x) is False and tdx.is_deleted(x) is False
+    _untouched(t, torch.ones(4))
+    assert buffer_ptr(t) == ptr
+
+
+def test_a_bad_leaf_in_a_tree_marks_nothing_and_names_its_path(dev):
+    good = materialize(torch.ones(4, device=dev))
+    base = materialize(torch.arange(4.0, device=dev))
+    tree = {"params": [good, base[1:]], "cpu": torch.ones(2)}
+    with pytest.raises(ValueError, match=r"\['params'\]\[1\].*is a view"):
+        tdx.donate(tree)
+    _untouched(good, torch.ones(4))  # all or nothing: the good leaf is not marked either
+    _untouched(base, torch.arange(4.0))
+
+
 # -- already donated ---------------------------------------------------------
 
 

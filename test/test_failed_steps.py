@@ -145,7 +145,7 @@ def _assert_next_step_works(p, ptr):
 
 
 @pytest.mark.parametrize("wait", [True, False], ids=["wait", "nowait"])
-def test_compile_error(dev, wait):
+def test_compile_error(dev, wait, strict):
     p, expected, ptr = _state(dev)
 
     def step():

@@ -100,6 +100,27 @@ def aliasing_enabled() -> bool:
         return value.strip().lower() not in ("false", "off", "no")
 
 
+# torch_xla's readers of its counters (what torch_xla.debug.metrics calls).
+_METRIC_READERS = ("_xla_counter_names", "_xla_counter_value", "_xla_metrics_report",
+                   "_short_xla_metrics_report")
+
+
+def call_before_metric_reads(hook) -> None:
+    """Makes each of torch_xla's counter readers call ``hook()`` first
+    (idempotent): the plugin's counters are brought up to date lazily."""
+    for name in _METRIC_READERS:
+        real = getattr(_XLAC, name, None)
+        if real is None or getattr(real, "_tdx_before", None) is hook:
+            continue
+
+        def reader(*args, _real=real, **kwargs):
+            hook()
+            return _real(*args, **kwargs)
+
+        reader._tdx_before = hook
+        setattr(_XLAC, name, reader)
+
+
 def increment_counter(name: str, value: int) -> bool:
     """Adds ``value`` to torch_xla's counter ``name`` (created on first use),
     so that it shows in ``torch_xla.debug.metrics`` reports.  False when this

@@ -234,8 +234,9 @@ def metrics_report() -> str:
 #
 # The step hook calls ``_on_settled`` whenever verdicts may have changed
 # (after every barrier, and when a use or settle_in_flight() judges a
-# donation).  The ledger's generation number tells in one native call whether
-# anything happened at all.
+# donation); it writes the per-step log.  The ledger's generation number tells
+# in one native call whether anything happened at all.  torch_xla's counters
+# are pushed only when read (``_push_before_reading``).
 
 _lock = threading.Lock()
 _seen_generation = -1
@@ -255,10 +256,24 @@ def _on_settled() -> None:
             if generation == _seen_generation:
                 return
             _seen_generation = generation
-            _push_counters()
             if _log_enabled:
                 _log_settled_steps()
     except Exception as error:  # a report must never break a training step
+        warnings.warn(f"torch_xla_donate.report failed: {error!r}", RuntimeWarning, stacklevel=2)
+
+
+def _push_before_reading() -> None:
+    """Runs before torch_xla's metric readers (``counter_value``,
+    ``metrics_report``, ...): the counters are pushed when someone looks.
+
+    Not after every step: torch_xla 2.9's ``_xla_increment_counter`` allocates
+    a new ``torch::lazy::Counter`` on every call and never frees it (about
+    200 bytes), so pushing per step grew a long run's memory without bound.
+    """
+    try:
+        with _lock:
+            _push_counters()
+    except Exception as error:  # a report must never break a metrics read
         warnings.warn(f"torch_xla_donate.report failed: {error!r}", RuntimeWarning, stacklevel=2)
 
 
@@ -315,3 +330,4 @@ def _configure_log(enabled: bool, stream=None) -> None:
 
 if _on_settled not in step_hook.settled_listeners:
     step_hook.settled_listeners.append(_on_settled)
+_xla.call_before_metric_reads(_push_before_reading)
