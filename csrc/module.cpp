@@ -458,11 +458,86 @@ PyObject* IsDonatable(PyObject*, PyObject* t) {
   Py_RETURN_TRUE;
 }
 
+// try_mark_all(tensors, where) -> int
+//
+// donate(tree)'s common case in one call, all or nothing: every tensor of
+// the (deduplicated) list is a plain materialized XLA tensor that passes
+// try_mark's checks, or already marked, or a materialized 0-dim scalar
+// (skipped: donate() never donates scalars).  Then all are marked and the
+// number of them now marked (scalars excluded) is returned.  Otherwise -1,
+// having changed nothing: the Python path redoes the work and names the
+// tensor at fault by its path.
+PyObject* TryMarkAll(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2 || !PyList_Check(args[0])) {
+    PyErr_SetString(PyExc_TypeError, "try_mark_all(list_of_tensors, where)");
+    return nullptr;
+  }
+  if (!g_hooks.torch_bound() || !g_hooks.poison_bound()) return PyLong_FromLong(-1);
+  if (std::getenv("XLA_ENABLE_PARAM_ALIASING") != nullptr) return PyLong_FromLong(-1);
+  std::string file;
+  int line = 0;
+  if (!ResolveWhere(args[1], &file, &line)) return nullptr;  // caller's bug
+  struct Candidate {
+    PyObject* tensor;
+    std::vector<int64_t> shape;
+    std::string dtype;
+    int64_t nbytes;
+  };
+  std::vector<Candidate> todo;
+  long already = 0;
+  PyObject* list = args[0];
+  // Phase 1: check everything, change nothing.
+  for (Py_ssize_t i = 0, n = PyList_GET_SIZE(list); i < n; ++i) {
+    PyObject* t = PyList_GET_ITEM(list, i);
+    if (GlobalLedger().IsMarked(py::handle(t))) {
+      ++already;
+      continue;
+    }
+    TensorFacts facts;
+    if (CommonChecks(t, &facts) != 1) {
+      PyErr_Clear();
+      return PyLong_FromLong(-1);
+    }
+    Candidate c{t, {}, {}, 0};
+    if (Describe(t, facts, &c.shape, &c.dtype, &c.nbytes) != 1) {
+      PyErr_Clear();
+      return PyLong_FromLong(-1);
+    }
+    if (c.shape.empty()) {  // a scalar: skipped, if donate_buffer would accept it
+      if (HasPendingIr(t) != 0) {
+        PyErr_Clear();
+        return PyLong_FromLong(-1);
+      }
+      continue;
+    }
+    todo.push_back(std::move(c));
+  }
+  // Phase 2: mark.  torch_xla refuses the flag for pending IR (the check
+  // phase 1 left to it): undo this call's flags and let Python explain.
+  for (size_t i = 0; i < todo.size(); ++i) {
+    if (SetDonor(todo[i].tensor, true) != 1) {
+      PyErr_Clear();
+      for (size_t j = 0; j < i; ++j) SetDonor(todo[j].tensor, false);
+      PyErr_Clear();
+      return PyLong_FromLong(-1);
+    }
+  }
+  for (auto& c : todo)
+    GlobalLedger().Mark(py::reinterpret_borrow<py::object>(c.tensor), file, line,
+                        std::move(c.shape), std::move(c.dtype), c.nbytes);
+  return PyLong_FromLong(already + static_cast<long>(todo.size()));
+}
+
 PyMethodDef kFastMethods[] = {
     {"try_mark", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(TryMark)),
      METH_FASTCALL,
      "try_mark(tensor, where) -> bool\n\nMarks a plain materialized XLA tensor in "
      "one call; False (nothing changed) when the Python path must decide."},
+    {"try_mark_all", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(TryMarkAll)),
+     METH_FASTCALL,
+     "try_mark_all(tensors, where) -> int\n\nMarks a list of distinct plain "
+     "materialized XLA tensors, all or nothing (0-dim ones skipped); -1 (nothing "
+     "changed) when the Python path must decide."},
     {"is_donatable", IsDonatable, METH_O,
      "is_donatable(tensor) -> bool\n\nTrue when every check of donate_buffer "
      "passes; False when the Python checks must say why not."},

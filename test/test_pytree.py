@@ -10,6 +10,7 @@ import torch_xla
 import torch_xla_donate as tdx
 import torch_xla_donate.api
 import torch_xla_donate.pytree
+from torch_xla_donate import _C
 from helpers import materialize
 
 
@@ -241,3 +242,26 @@ def test_module_and_optimizer_together(dev):
 
 def test_docstring_examples():
     assert doctest.testmod(torch_xla_donate.pytree).failed == 0
+
+
+def test_native_batch_marks_all_or_nothing(dev):
+    """``_C.try_mark_all``, donate()'s fast path: when one tensor is not
+    donatable it marks none and leaves no torch_xla donor flag behind."""
+    ok = [materialize(torch.full((4,), float(i), device=dev)) for i in range(3)]
+    pending = materialize(torch.zeros(4, device=dev))
+    pending.add_(1)  # passes the cheap checks; torch_xla refuses the flag
+    assert _C.try_mark_all(ok + [pending], ("here.py", 1)) == -1
+    assert not any(tdx.is_donated(t) for t in ok + [pending])
+    assert not any(torch_xla._XLAC._get_buffer_donation(t) for t in ok)
+    assert _C.try_mark_all([ok[0], torch.zeros(4)], ("here.py", 1)) == -1  # a CPU tensor
+    assert not tdx.is_donated(ok[0])
+    # All donatable (a scalar among them is skipped): all marked, blamed on `where`.
+    scalar = materialize(torch.tensor(1.0, device=dev))
+    assert _C.try_mark_all(ok + [scalar], ("here.py", 7)) == 3
+    assert all(tdx.is_donated(t) for t in ok) and not tdx.is_donated(scalar)
+    new = [t + 1 for t in ok]
+    torch_xla.sync()
+    assert all(tdx.is_deleted(t) for t in ok)
+    with pytest.raises(tdx.DonatedBufferError, match="here.py:7"):
+        ok[1] + 1
+    assert scalar.item() == 1.0 and [t.cpu()[0].item() for t in new] == [1.0, 2.0, 3.0]

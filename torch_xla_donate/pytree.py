@@ -48,7 +48,7 @@ import warnings
 import torch
 import torch.utils._pytree as pytree
 
-from . import _C, _xla, api, config
+from . import _C, _xla, api, config, step_hook
 from .errors import DonatedBufferError
 
 __all__ = ["donate"]
@@ -82,6 +82,9 @@ def _donate_named(named_trees, where) -> int:
     in messages (``donating`` passes argument names, so an error reads
     ``params['w']``).  ``where`` is the (file, line) blamed for the marks.
     """
+    marked = _donate_plain(named_trees, where)
+    if marked >= 0:
+        return marked
     leaves = _tensor_leaves(named_trees)
     for path, tensor in leaves:
         _checked(path, api._check_donatable, tensor)
@@ -103,6 +106,31 @@ def _donate_named(named_trees, where) -> int:
             api.undonate(tensor)
         raise
     return sum(1 for _, tensor in leaves if _C.is_marked(tensor))
+
+
+def _donate_plain(named_trees, where) -> int:
+    """The common case of ``_donate_named`` in one native call; -1 if unusual.
+
+    Why: with thousands of tensors per step, building a path string and
+    running the checks one Python call at a time per leaf cost more than the
+    donation.  When every leaf is a plain tensor that can be donated (or is
+    marked already, or is a scalar, skipped as ever), ``_C.try_mark_all``
+    marks them all at once.  Anything else (a module, an optimizer, a tensor
+    that must be refused, the switches off) returns -1 having marked nothing,
+    and the path-by-path route gives the precise, path-named error.
+    """
+    if not (config.enabled() and _xla.aliasing_enabled()):
+        return -1
+    tensors = {}
+    for label, tree in named_trees:
+        _check_root(label, tree)
+        for leaf in pytree.tree_leaves(tree):
+            if isinstance(leaf, torch.Tensor):
+                tensors[id(leaf)] = leaf
+            elif isinstance(leaf, (torch.nn.Module, torch.optim.Optimizer)):
+                return -1
+    with step_hook._lock:  # flags and ledger entries together; see api._mark_checked
+        return _C.try_mark_all(list(tensors.values()), where)
 
 
 def _mark_while_switched_off(leaves, where) -> None:
