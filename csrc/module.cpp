@@ -412,6 +412,34 @@ PyObject* FalseClearingErrors() {
   Py_RETURN_FALSE;
 }
 
+// A tensor that passed try_mark's checks, with what its ledger record needs.
+struct Candidate {
+  PyObject* tensor = nullptr;  // borrowed
+  std::vector<int64_t> shape;
+  std::string dtype;
+  int64_t nbytes = 0;
+};
+
+// try_mark's checks (plain XLA tensor, no view, no alias, not held by
+// autograd, ordinary sizes), changing nothing.  True with `c` filled; false,
+// errors cleared, when the Python path must decide.  The pending-IR check is
+// left to torch_xla's donor flag (see TryMark).
+bool Prepare(PyObject* t, Candidate* c) {
+  TensorFacts facts;
+  if (CommonChecks(t, &facts) != 1 || Describe(t, facts, &c->shape, &c->dtype, &c->nbytes) != 1) {
+    PyErr_Clear();
+    return false;
+  }
+  c->tensor = t;
+  return true;
+}
+
+// The ledger entry of a candidate whose donor flag is set.
+void MarkCandidate(Candidate&& c, const std::string& file, int line) {
+  GlobalLedger().Mark(py::reinterpret_borrow<py::object>(c.tensor), file, line,
+                      std::move(c.shape), std::move(c.dtype), c.nbytes);
+}
+
 // try_mark(tensor, where) -> bool
 //
 // The common case of api._mark in one call: True once `tensor` is marked.
@@ -430,20 +458,16 @@ PyObject* TryMark(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   PyObject* t = args[0];
   if (!g_hooks.torch_bound() || !g_hooks.poison_bound()) Py_RETURN_FALSE;
-  TensorFacts facts;
-  if (CommonChecks(t, &facts) != 1) return FalseClearingErrors();
+  Candidate c;
+  if (!Prepare(t, &c)) Py_RETURN_FALSE;
   if (std::getenv("XLA_ENABLE_PARAM_ALIASING") != nullptr) Py_RETURN_FALSE;
   if (GlobalLedger().IsMarked(py::handle(t))) Py_RETURN_FALSE;
-  std::string file, dtype;
+  std::string file;
   int line = 0;
-  std::vector<int64_t> shape;
-  int64_t nbytes = 0;
   if (!ResolveWhere(args[1], &file, &line)) return nullptr;  // caller's bug
-  if (Describe(t, facts, &shape, &dtype, &nbytes) != 1) return FalseClearingErrors();
-  if (shape.empty()) Py_RETURN_FALSE;  // 0-dim: api refuses it, with a reason
+  if (c.shape.empty()) Py_RETURN_FALSE;  // 0-dim: api refuses it, with a reason
   if (SetDonor(t, true) != 1) return FalseClearingErrors();
-  GlobalLedger().Mark(py::reinterpret_borrow<py::object>(t), std::move(file), line,
-                      std::move(shape), std::move(dtype), nbytes);
+  MarkCandidate(std::move(c), file, line);
   Py_RETURN_TRUE;
 }
 
@@ -477,12 +501,6 @@ PyObject* TryMarkAll(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   std::string file;
   int line = 0;
   if (!ResolveWhere(args[1], &file, &line)) return nullptr;  // caller's bug
-  struct Candidate {
-    PyObject* tensor;
-    std::vector<int64_t> shape;
-    std::string dtype;
-    int64_t nbytes;
-  };
   std::vector<Candidate> todo;
   long already = 0;
   PyObject* list = args[0];
@@ -493,16 +511,8 @@ PyObject* TryMarkAll(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       ++already;
       continue;
     }
-    TensorFacts facts;
-    if (CommonChecks(t, &facts) != 1) {
-      PyErr_Clear();
-      return PyLong_FromLong(-1);
-    }
-    Candidate c{t, {}, {}, 0};
-    if (Describe(t, facts, &c.shape, &c.dtype, &c.nbytes) != 1) {
-      PyErr_Clear();
-      return PyLong_FromLong(-1);
-    }
+    Candidate c;
+    if (!Prepare(t, &c)) return PyLong_FromLong(-1);
     if (c.shape.empty()) {  // a scalar: skipped, if donate_buffer would accept it
       if (HasPendingIr(t) != 0) {
         PyErr_Clear();
@@ -522,10 +532,9 @@ PyObject* TryMarkAll(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       return PyLong_FromLong(-1);
     }
   }
-  for (auto& c : todo)
-    GlobalLedger().Mark(py::reinterpret_borrow<py::object>(c.tensor), file, line,
-                        std::move(c.shape), std::move(c.dtype), c.nbytes);
-  return PyLong_FromLong(already + static_cast<long>(todo.size()));
+  long marked = already + static_cast<long>(todo.size());
+  for (auto& c : todo) MarkCandidate(std::move(c), file, line);
+  return PyLong_FromLong(marked);
 }
 
 PyMethodDef kFastMethods[] = {
