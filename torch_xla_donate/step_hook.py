@@ -115,6 +115,8 @@ def _step_marker(device="", devices=(), wait=True, reset_scope=True):
         # device was dispatched, so the earlier verdicts of this device are
         # certain now; this step's are certain only if we waited for it.
         earlier, others = _split_by_device(_in_flight, here)
+        # Already the state to keep if settling raises (strict mode's
+        # UnusedDonationError): this step's donors stay in flight.
         _in_flight = others + donors
         _in_flight = others + _settle(earlier, certain=True) + _settle(donors, certain=wait)
         _notify_settled()
