@@ -27,7 +27,7 @@ std::string Record::ShapeString() const {
   return s + "]";
 }
 
-RecordPtr Ledger::Mark(py::object tensor, std::string file, int line,
+RecordPtr Ledger::Mark(py::object tensor, FilePtr file, int line,
                        std::vector<int64_t> shape, std::string dtype,
                        int64_t nbytes) {
   std::lock_guard<std::mutex> lock(mu_);

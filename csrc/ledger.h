@@ -38,10 +38,14 @@ const char* VerdictName(Verdict v);
 
 // Everything the user may want to know about one donation, also after the
 // tensor is gone.  Shared by the ledger's history and the poisoned tensor.
+// A file name shared by every record made from the same call site: a loop
+// that donates thousands of tensors from one line copies no string.
+using FilePtr = std::shared_ptr<const std::string>;
+
 struct Record {
   int64_t id = 0;
   int64_t step = -1;  // the step barrier that committed the mark
-  std::string file;
+  FilePtr file;       // never null
   int line = 0;
   std::vector<int64_t> shape;
   std::string dtype;  // short XLA-style name: f32, bf16, s64, pred, ...
@@ -50,7 +54,7 @@ struct Record {
 
   // "f32[4,4]", the spelling XLA and JAX use in their messages.
   std::string ShapeString() const;
-  std::string Where() const { return file + ":" + std::to_string(line); }
+  std::string Where() const { return *file + ":" + std::to_string(line); }
 };
 
 using RecordPtr = std::shared_ptr<Record>;
@@ -77,7 +81,7 @@ class Ledger {
 
   // Marks `tensor` for the next step.  Returns nullptr when it is already
   // marked: marking twice before a step counts once.
-  RecordPtr Mark(py::object tensor, std::string file, int line,
+  RecordPtr Mark(py::object tensor, FilePtr file, int line,
                  std::vector<int64_t> shape, std::string dtype,
                  int64_t nbytes);
 

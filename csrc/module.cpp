@@ -88,7 +88,7 @@ PyObject* Str(const std::string& s) {
 
 PyObject* GetId(PyObject* self, void*) { return PyLong_FromLongLong(R(self).id); }
 PyObject* GetStep(PyObject* self, void*) { return PyLong_FromLongLong(R(self).step); }
-PyObject* GetFile(PyObject* self, void*) { return Str(R(self).file); }
+PyObject* GetFile(PyObject* self, void*) { return Str(*R(self).file); }
 PyObject* GetLine(PyObject* self, void*) { return PyLong_FromLong(R(self).line); }
 PyObject* GetDtype(PyObject* self, void*) { return Str(R(self).dtype); }
 PyObject* GetNbytes(PyObject* self, void*) { return PyLong_FromLongLong(R(self).nbytes); }
@@ -281,6 +281,9 @@ const DtypeInfo* LookupDtype(PyObject* dtype) {
   return &g_dtypes.emplace(dtype, std::move(d)).first->second;
 }
 
+// The dtype of each c10::ScalarType seen so far, filled from LookupDtype.
+const DtypeInfo* g_dtype_by_scalar_type[64] = {};
+
 // Shape, XLA dtype name and byte size of `t` (whose `facts` were read), as
 // api._mark records them.  1 ok, 0 unusual (symbolic sizes: let the Python
 // path handle it), -1 error.
@@ -289,21 +292,101 @@ int Describe(PyObject* t, const TensorFacts& facts, std::vector<int64_t>* shape,
   if (facts.symbolic_sizes) return 0;
   int64_t numel = 1;
   for (int64_t d : facts.sizes) numel *= d;
-  PyObject* dt = PyObject_GetAttr(t, g_names.dtype);
-  if (!dt) return -1;
-  const DtypeInfo* info = LookupDtype(dt);
-  Py_DECREF(dt);
-  if (!info) return -1;
+  const int st = facts.scalar_type;
+  const bool cacheable = st >= 0 && st < 64;
+  const DtypeInfo* info = cacheable ? g_dtype_by_scalar_type[st] : nullptr;
+  if (!info) {  // first tensor of this dtype: ask Python once
+    PyObject* dt = PyObject_GetAttr(t, g_names.dtype);
+    if (!dt) return -1;
+    info = LookupDtype(dt);
+    Py_DECREF(dt);
+    if (!info) return -1;
+    if (cacheable && info->itemsize == facts.itemsize) g_dtype_by_scalar_type[st] = info;
+  }
   *shape = facts.sizes;
   *dtype = info->name;
   *nbytes = numel * info->itemsize;
   return 1;
 }
 
+// -- Where a donation was made ----------------------------------------------
+//
+// Every record names the file:line of the donate_buffer call.  Asking Python
+// for it on every call was most of a mark's cost: a frame's line number is
+// found by scanning its code's line table from the start.  So file names are
+// shared per code object, and line numbers cached per (code, instruction).
+// The caches hold a reference to each code object they key on, so that an
+// address is never reused while it is a key, and stop growing at a bound
+// (a program that donates from more places pays the uncached price there).
+
+constexpr size_t kMaxCachedCodes = 4096;
+constexpr size_t kMaxCachedLinesPerCode = 256;
+
+struct CodeInfo {
+  FilePtr file;
+  std::unordered_map<int, int> lines;  // instruction offset -> line
+};
+std::unordered_map<PyObject*, CodeInfo> g_codes;
+// File names given as str (the `where` tuples of helpers), by str object.
+std::unordered_map<PyObject*, FilePtr> g_file_names;
+
+FilePtr NewFile(PyObject* name) {
+  const char* s = PyUnicode_AsUTF8(name);
+  return s ? std::make_shared<const std::string>(s) : nullptr;
+}
+
+FilePtr FileNamed(PyObject* name) {
+  auto it = g_file_names.find(name);
+  if (it != g_file_names.end()) return it->second;
+  FilePtr file = NewFile(name);
+  if (file && g_file_names.size() < kMaxCachedCodes) {
+    Py_INCREF(name);  // held by the cache
+    g_file_names.emplace(name, file);
+  }
+  return file;
+}
+
+FilePtr CodeFile(PyObject* code) {
+  PyObject* name = PyObject_GetAttr(code, g_names.co_filename);
+  if (!name) return nullptr;
+  FilePtr file = NewFile(name);
+  Py_DECREF(name);
+  return file;
+}
+
+// File and line of `frame`, through the caches.  False with a Python error.
+bool FrameWhere(PyFrameObject* frame, FilePtr* file, int* line) {
+  PyObject* code = reinterpret_cast<PyObject*>(PyFrame_GetCode(frame));  // new ref
+  auto it = g_codes.find(code);
+  if (it == g_codes.end()) {
+    FilePtr f = CodeFile(code);
+    if (!f || g_codes.size() >= kMaxCachedCodes) {
+      Py_DECREF(code);
+      *file = std::move(f);
+      *line = PyFrame_GetLineNumber(frame);
+      return *file != nullptr;
+    }
+    Py_INCREF(code);  // held by the cache
+    it = g_codes.emplace(code, CodeInfo{std::move(f), {}}).first;
+  }
+  Py_DECREF(code);
+  CodeInfo& info = it->second;
+  *file = info.file;
+  const int lasti = PyFrame_GetLasti(frame);
+  auto l = info.lines.find(lasti);
+  if (l != info.lines.end()) {
+    *line = l->second;
+  } else {
+    *line = PyFrame_GetLineNumber(frame);
+    if (info.lines.size() < kMaxCachedLinesPerCode) info.lines.emplace(lasti, *line);
+  }
+  return true;
+}
+
 // The (file, line) to blame: `where` is either such a tuple, or a number of
 // frames to go up from the Python function that called into _C (1: its
 // caller), as api._caller does with sys._getframe.
-bool ResolveWhere(PyObject* where, std::string* file, int* line) {
+bool ResolveWhere(PyObject* where, FilePtr* file, int* line) {
   if (PyLong_Check(where)) {
     long depth = PyLong_AsLong(where);
     PyFrameObject* frame = PyEval_GetFrame();  // borrowed
@@ -314,29 +397,22 @@ bool ResolveWhere(PyObject* where, std::string* file, int* line) {
       frame = back;
     }
     if (!frame) {
-      *file = "<unknown>";
+      static const FilePtr kUnknown = std::make_shared<const std::string>("<unknown>");
+      *file = kUnknown;
       *line = 0;
       return true;
     }
-    *line = PyFrame_GetLineNumber(frame);
-    PyCodeObject* code = PyFrame_GetCode(frame);
+    bool ok = FrameWhere(frame, file, line);
     Py_DECREF(frame);
-    PyObject* name = PyObject_GetAttr(reinterpret_cast<PyObject*>(code), g_names.co_filename);
-    Py_DECREF(code);
-    if (!name) return false;
-    const char* s = PyUnicode_AsUTF8(name);
-    if (s) *file = s;
-    Py_DECREF(name);
-    return s != nullptr;
+    return ok;
   }
-  if (PyTuple_Check(where) && PyTuple_GET_SIZE(where) == 2) {
-    const char* s = PyUnicode_AsUTF8(PyTuple_GET_ITEM(where, 0));
-    if (!s) return false;
+  if (PyTuple_Check(where) && PyTuple_GET_SIZE(where) == 2 &&
+      PyUnicode_Check(PyTuple_GET_ITEM(where, 0))) {
     long l = PyLong_AsLong(PyTuple_GET_ITEM(where, 1));
     if (l == -1 && PyErr_Occurred()) return false;
-    *file = s;
+    *file = FileNamed(PyTuple_GET_ITEM(where, 0));
     *line = static_cast<int>(l);
-    return true;
+    return *file != nullptr;
   }
   PyErr_SetString(PyExc_TypeError, "where must be (file, line) or a frame depth");
   return false;
@@ -400,11 +476,33 @@ int CommonChecks(PyObject* t, TensorFacts* facts) {
   int r = Facts(t, facts);
   if (r != 1) return r;
   if (!facts->is_xla || facts->storage_use_count != 1) return 0;
-  r = IsView(t);
-  if (r != 0) return r < 0 ? -1 : 0;
+  if (facts->has_autograd_meta) {  // a view has autograd metadata
+    r = IsView(t);
+    if (r != 0) return r < 0 ? -1 : 0;
+  }
   r = HeldByAutograd(t, *facts);
   if (r != 0) return r < 0 ? -1 : 0;
   return 1;
+}
+
+// -- When the fast path may mark -------------------------------------------
+//
+// TryMark marks without taking step_hook._lock: it runs entirely in C++ while
+// holding the GIL and calls no Python code (only torch and torch_xla
+// builtins), so no other Python thread runs in between.  That alone is not
+// enough: another thread may hold the lock in the middle of a barrier (the
+// marks committed, the graph not built yet, or the GIL released inside
+// torch_xla).  A mark then must wait for the lock, so while any thread holds
+// it (step_hook counts them here) the fast path declines and api.py's slow
+// path takes the lock.  The fast path is also closed while donation is
+// switched off (config.enabled(), XLA_ENABLE_PARAM_ALIASING=0): the slow
+// path warns then.
+int g_lock_holders = 0;
+bool g_fast_enabled = false;
+
+bool FastPathOpen() {
+  return g_lock_holders == 0 && g_fast_enabled && g_hooks.torch_bound() &&
+         g_hooks.poison_bound();
 }
 
 PyObject* FalseClearingErrors() {
@@ -435,7 +533,7 @@ bool Prepare(PyObject* t, Candidate* c) {
 }
 
 // The ledger entry of a candidate whose donor flag is set.
-void MarkCandidate(Candidate&& c, const std::string& file, int line) {
+void MarkCandidate(Candidate&& c, const FilePtr& file, int line) {
   GlobalLedger().Mark(py::reinterpret_borrow<py::object>(c.tensor), file, line,
                       std::move(c.shape), std::move(c.dtype), c.nbytes);
 }
@@ -457,12 +555,11 @@ PyObject* TryMark(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     return nullptr;
   }
   PyObject* t = args[0];
-  if (!g_hooks.torch_bound() || !g_hooks.poison_bound()) Py_RETURN_FALSE;
+  if (!FastPathOpen()) Py_RETURN_FALSE;
   Candidate c;
   if (!Prepare(t, &c)) Py_RETURN_FALSE;
-  if (std::getenv("XLA_ENABLE_PARAM_ALIASING") != nullptr) Py_RETURN_FALSE;
   if (GlobalLedger().IsMarked(py::handle(t))) Py_RETURN_FALSE;
-  std::string file;
+  FilePtr file;
   int line = 0;
   if (!ResolveWhere(args[1], &file, &line)) return nullptr;  // caller's bug
   if (c.shape.empty()) Py_RETURN_FALSE;  // 0-dim: api refuses it, with a reason
@@ -496,9 +593,10 @@ PyObject* TryMarkAll(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     PyErr_SetString(PyExc_TypeError, "try_mark_all(list_of_tensors, where)");
     return nullptr;
   }
-  if (!g_hooks.torch_bound() || !g_hooks.poison_bound()) return PyLong_FromLong(-1);
-  if (std::getenv("XLA_ENABLE_PARAM_ALIASING") != nullptr) return PyLong_FromLong(-1);
-  std::string file;
+  // Called with step_hook._lock held, so only the switches count here.
+  if (!g_hooks.torch_bound() || !g_hooks.poison_bound() || !g_fast_enabled)
+    return PyLong_FromLong(-1);
+  FilePtr file;
   int line = 0;
   if (!ResolveWhere(args[1], &file, &line)) return nullptr;  // caller's bug
   std::vector<Candidate> todo;
@@ -608,9 +706,12 @@ py::tuple SplitCommitted(py::list tensors, py::list records, py::object pending)
   return py::make_tuple(donors, dropped);
 }
 
-// After the real barrier: for each (tensor, record) donor, clear torch_xla's
-// donor flag (a flag the step did not use would fire at a later step) and
-// poison the tensor.  No verdict yet, even for a buffer that reads as deleted
+// After the real barrier: poison each (tensor, record) donor.  Its torch_xla
+// donor flag stays set until its verdict: a consumed buffer is gone with its
+// flag, and step_hook clears the flag of an unused one when it settles it (a
+// flag the step did not use would fire at a later step).  Until then the
+// tensor is poisoned, so no later graph can take it as an input without
+// first settling it.  No verdict yet, even for a buffer that reads as deleted
 // already: while the step is being dispatched, XLA holds a donated buffer in
 // a way that reads as deleted, and gives it back if the step then fails
 // (measured: 3 runs in 300 of a step failing out of memory).  Only a
@@ -624,7 +725,6 @@ void PoisonDonors(py::list donors) {
     PyObject* t = PyTuple_GET_ITEM(entry, 0);
     PyObject* rec = PyTuple_GET_ITEM(entry, 1);
     RecordArg(rec);  // type check
-    Check(SetDonor(t, false) >= 0);
     Check(Poison(t, rec) == 0);
   }
 }
@@ -761,7 +861,8 @@ PYBIND11_MODULE(_C, m) {
         if (nbytes < 0) throw py::value_error("mark(): nbytes must be >= 0");
         for (int64_t d : shape)
           if (d < 0) throw py::value_error("mark(): shape sizes must be >= 0");
-        return RecordOrNone(GlobalLedger().Mark(std::move(tensor), std::move(file), line,
+        return RecordOrNone(GlobalLedger().Mark(std::move(tensor),
+                                                std::make_shared<const std::string>(std::move(file)), line,
                                                 std::move(shape), std::move(dtype), nbytes));
       },
       py::arg("tensor"), py::arg("file"), py::arg("line"), py::arg("shape"),
@@ -833,6 +934,17 @@ PYBIND11_MODULE(_C, m) {
   m.def("bind", &Bind,
         "Hands the hot path the torch / torch_xla / poison callables it needs "
         "(called by _xla.py and poison.py at import).");
+  m.def(
+      "set_fast_path_enabled", [](bool enabled) { g_fast_enabled = enabled; },
+      py::arg("enabled"),
+      "Opens try_mark's fast path while donation is switched on (config and "
+      "XLA_ENABLE_PARAM_ALIASING); see module.cpp.");
+  m.def(
+      "note_lock", [](bool acquired) { g_lock_holders += acquired ? 1 : -1; },
+      py::arg("acquired"),
+      "step_hook._lock was acquired (True) or released (False): the fast path "
+      "declines while anyone holds it.");
+  m.def("lock_holders", []() { return g_lock_holders; });
   m.def("split_committed", &SplitCommitted, py::arg("tensors"), py::arg("records"),
         py::arg("pending"));
   m.def("poison_donors", &PoisonDonors, py::arg("donors"));

@@ -22,6 +22,10 @@ struct TensorFacts {
   // Owners of the TensorImpl itself: the Python tensor, plus C++ holders
   // such as an autograd graph that saved it for backward.
   long impl_use_count = 0;
+  // False for a tensor that has never been touched by autograd (no
+  // requires_grad, not a view): then it is certainly no view.
+  bool has_autograd_meta = true;
+  int scalar_type = -1;  // c10::ScalarType, -1 if not a plain scalar type
   bool symbolic_sizes = false;  // dynamic shapes: sizes below are not filled
   std::vector<int64_t> sizes;
   int64_t itemsize = 0;

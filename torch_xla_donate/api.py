@@ -44,12 +44,12 @@ def donate_buffer(tensor: torch.Tensor) -> None:
     """
     # The common case is one native call (checks, donor flag, ledger entry;
     # the "1" blames our caller's line): a plain tensor or parameter passing
-    # every check of ``_check_donatable``, 0-dim and autograd ones included.
+    # every check of ``_check_donatable``, 0-dim and autograd ones included,
+    # while donation is on and no barrier is running (see step_hook._HookLock).
     # Anything unusual goes through ``_mark_checked``, which raises or warns
     # precisely.
-    with step_hook._lock:  # see _mark_checked
-        if config.enabled() and _C.try_mark(tensor, 1):
-            return
+    if _C.try_mark(tensor, 1):
+        return
     _check_tensor("donate_buffer", tensor)
     torch._check_value(
         tensor.dim() > 0 or not _xla.is_xla(tensor) or poison.is_poisoned(tensor),
@@ -75,9 +75,8 @@ def _mark(tensor, where) -> None:
     (pytrees, ``donating``) blame the user's line, not their own.  Unlike
     ``donate_buffer`` it skips a 0-dim tensor quietly (see ``_SCALARS``).
     """
-    with step_hook._lock:  # see _mark_checked
-        if config.enabled() and _C.try_mark(tensor, where):
-            return
+    if _C.try_mark(tensor, where):  # see donate_buffer
+        return
     _mark_checked(tensor, where)
 
 

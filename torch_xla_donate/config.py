@@ -33,6 +33,11 @@ _state = {
 }
 
 
+# Called with no argument after ``configure`` changed a switch (the step
+# hook opens or closes its native fast path of marking).
+changed_listeners = []
+
+
 def configure(*, strict=None, enabled=None) -> dict:
     """Sets the switches given (None leaves one as it is); returns the
     previous values, so ``configure(**previous)`` restores them."""
@@ -45,6 +50,8 @@ def configure(*, strict=None, enabled=None) -> dict:
             _state["strict"] = strict
         if enabled is not None:
             _state["enabled"] = enabled
+    for listener in changed_listeners:
+        listener()
     return previous
 
 

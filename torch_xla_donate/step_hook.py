@@ -45,7 +45,32 @@ from .errors import DroppedDonationWarning, UnusedDonationError, UnusedDonationW
 __all__ = ["install", "uninstall", "installed", "settle_in_flight"]
 
 _real_step_marker = None
-_lock = threading.RLock()
+
+
+class _HookLock:
+    """A re-entrant lock that tells the native fast path of marking when it
+    is held.
+
+    ``_C.try_mark`` marks without taking this lock (it cannot be interrupted
+    by another Python thread), but must not mark while another thread is
+    inside a barrier or any other critical section here: it declines while
+    the lock has holders, and ``donate_buffer`` then takes the lock.
+    """
+
+    def __init__(self):
+        self._lock = threading.RLock()
+
+    def __enter__(self):
+        self._lock.acquire()
+        _C.note_lock(True)
+        return self
+
+    def __exit__(self, *exc_info):
+        _C.note_lock(False)
+        self._lock.release()
+
+
+_lock = _HookLock()
 # (tensor, record) of committed donations whose verdict is not known yet.
 _in_flight = []
 
@@ -60,6 +85,9 @@ def install() -> None:
             _real_wait_device_ops = _xla._XLAC._xla_wait_device_ops
             _xla._XLAC._xla_wait_device_ops = _wait_device_ops
             poison._settle_hook = _settle_one
+            if refresh_fast_path not in config.changed_listeners:
+                config.changed_listeners.append(refresh_fast_path)
+        refresh_fast_path()
 
 
 def uninstall() -> None:
@@ -76,9 +104,18 @@ def installed() -> bool:
     return _real_step_marker is not None
 
 
+def refresh_fast_path() -> None:
+    """Opens ``_C.try_mark``'s fast path only while donation is on: off, the
+    Python path gives its warning.  Called when ``configure`` changes, and at
+    every barrier (torch_xla reads ``XLA_ENABLE_PARAM_ALIASING`` when it
+    first compiles, so a change before the first step still counts)."""
+    _C.set_fast_path_enabled(config.enabled() and _xla.aliasing_enabled())
+
+
 def _step_marker(device="", devices=(), wait=True, reset_scope=True):
     global _in_flight
     with _lock:
+        refresh_fast_path()
         if _is_compile_prologue():
             return _flush_keeping_marks(device, devices, wait, reset_scope)
         here = _barrier_device(device)
