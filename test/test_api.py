@@ -1,4 +1,5 @@
 """donate_buffer / undonate / is_donated / is_deleted: marking and bad input."""
+import sys
 import warnings
 
 import pytest
@@ -23,6 +24,30 @@ def test_mark_is_visible_until_the_step(dev):
     torch_xla.sync()
     assert not tdx.is_donated(t) and tdx.is_deleted(t)
     assert u.cpu().tolist() == [2.0] * 4
+
+
+def _donate_here(t):
+    tdx.donate_buffer(t)
+    return sys._getframe().f_lineno - 1
+
+
+def test_records_name_the_line_of_each_donate_buffer_call(dev):
+    # File and line are cached per call site: one line in a loop, two lines
+    # of one function and another function must each keep their own.
+    ts = materialize(*[torch.full((2,), float(i), device=dev) for i in range(5)])
+    loop_line = sys._getframe().f_lineno + 2
+    for t in ts[:2]:
+        tdx.donate_buffer(t)
+    tdx.donate_buffer(ts[2])
+    next_line = sys._getframe().f_lineno - 1
+    helper_line = _donate_here(ts[3])
+    torch_xla._XLAC.donate_buffer(ts[4])
+    alias_line = sys._getframe().f_lineno - 1
+    records = [_C.unmark(t) for t in ts]
+    for t in ts:
+        torch_xla._XLAC._set_buffer_donation(t, False)
+    assert [r.line for r in records] == [loop_line, loop_line, next_line, helper_line, alias_line]
+    assert {r.file for r in records} == {__file__}
 
 
 def test_marking_twice_counts_once(dev):

@@ -251,3 +251,20 @@ def test_async_unused_donation_settles_at_the_next_barrier(dev):
     with pytest.warns(tdx.UnusedDonationWarning, match=r"f32\[3\]"):
         torch_xla.sync(wait=False)
     assert type(x) is torch.Tensor and x.cpu().tolist() == [0.0, 1.0, 2.0]
+    assert not torch_xla._XLAC._get_buffer_donation(x), "the verdict clears the donor flag"
+
+
+def test_async_unused_donation_cannot_fire_in_the_step_that_first_uses_it(dev):
+    # Its donor flag stays set while the verdict is open; the first use
+    # settles it (clearing the flag) before the use joins a new graph.
+    x, y = materialize(torch.arange(3.0, device=dev), torch.ones(3, device=dev))
+    tdx.donate_buffer(x)
+    z = y + 1
+    torch_xla.sync(wait=False)
+    ptr = buffer_ptr(x)
+    with pytest.warns(tdx.UnusedDonationWarning):
+        later = x + 1  # same size as x: it would take x's buffer if flagged
+    assert not torch_xla._XLAC._get_buffer_donation(x)
+    torch_xla.sync(wait=True)
+    assert buffer_ptr(later) != ptr
+    assert x.cpu().tolist() == [0.0, 1.0, 2.0] and later.cpu().tolist() == [1.0, 2.0, 3.0]

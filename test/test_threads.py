@@ -1,9 +1,10 @@
 """Thread safety: marks, queries and barriers from many threads at once.
 
 The ledger keeps its state behind one mutex, and ``donate_buffer`` /
-``undonate`` take the step hook's lock around the two things a mark is made
-of (torch_xla's donor flag and the ledger entry), so a barrier in another
-thread sees either both or neither.  Without that, a barrier between the two
+``undonate`` make the two things a mark is made of (torch_xla's donor flag
+and the ledger entry) under the step hook's lock, or in one native call that
+no other thread can interrupt and that declines while the lock is held, so a
+barrier in another thread sees either both or neither.  Without that, a barrier between the two
 could donate a buffer the ledger does not know about (nothing poisoned, the
 tensor silently dead), or undonate could report a cancellation while the
 step consumed the buffer.  Each stress test runs a bounded number of
@@ -90,6 +91,37 @@ def _assert_consistent(tensors):
         if not deleted:
             assert tdx.is_donated(t) == (id(t) in marked)
             assert _flag(t) == tdx.is_donated(t), "donor flag iff marked"
+
+
+def test_native_fast_path_declines_while_the_hook_lock_is_held(dev):
+    t = materialize(torch.ones(4, device=dev))
+    assert _C.lock_holders() == 0
+    with step_hook._lock:
+        assert _C.lock_holders() == 1
+        assert not _C.try_mark(t, 1) and not tdx.is_donated(t)
+        tdx.donate_buffer(t)  # the Python path, re-entering the lock
+        assert tdx.is_donated(t)
+    assert _C.lock_holders() == 0
+    assert tdx.undonate(t) and not _flag(t)
+
+
+def test_a_mark_waits_for_another_thread_holding_the_hook_lock(dev):
+    # As if that thread were inside a barrier: the mark must come after it.
+    t = materialize(torch.ones(4, device=dev))
+    marked = threading.Event()
+
+    def mark():
+        tdx.donate_buffer(t)
+        marked.set()
+
+    with step_hook._lock:
+        other = threading.Thread(target=mark)
+        other.start()
+        assert not marked.wait(0.3), "marked while another thread held the lock"
+        assert not tdx.is_donated(t) and not _flag(t)
+    other.join(TIMEOUT)
+    assert marked.is_set() and tdx.is_donated(t) and _flag(t)
+    assert tdx.undonate(t)
 
 
 def test_marks_from_many_threads_before_one_step(dev):
