@@ -149,6 +149,95 @@ py::object RecordOrNone(RecordPtr r) {
 }
 
 // ---------------------------------------------------------------------------
+// Entry: one (tensor, record) pair among a step's donors or open verdicts.
+//
+// A tuple would do, but a tuple that holds a tensor is tracked by Python's
+// garbage collector, and a step with 10,000 donations keeps 10,000 of them
+// alive until the next barrier: they reach the oldest generation and make
+// full collections (which walk every object of the program) run several
+// times more often.  An Entry is not tracked.  It cannot close a reference
+// cycle: nothing refers back to it (a poisoned tensor refers to its record,
+// never to its entry).  It unpacks and indexes like the pair it stands for.
+
+struct PyEntry {
+  PyObject_HEAD
+  PyObject* tensor;
+  PyObject* record;
+};
+
+PyTypeObject* g_entry_type = nullptr;
+
+PyObject* NewEntry(PyObject* tensor, PyObject* record) {
+  PyObject* o = g_entry_type->tp_alloc(g_entry_type, 0);
+  if (!o) return nullptr;
+  auto* e = reinterpret_cast<PyEntry*>(o);
+  Py_INCREF(tensor);
+  Py_INCREF(record);
+  e->tensor = tensor;
+  e->record = record;
+  return o;
+}
+
+void EntryDealloc(PyObject* self) {
+  auto* e = reinterpret_cast<PyEntry*>(self);
+  Py_CLEAR(e->tensor);
+  Py_CLEAR(e->record);
+  PyTypeObject* type = Py_TYPE(self);
+  type->tp_free(self);
+  Py_DECREF(type);
+}
+
+Py_ssize_t EntryLength(PyObject*) { return 2; }
+
+PyObject* EntryItem(PyObject* self, Py_ssize_t i) {
+  auto* e = reinterpret_cast<PyEntry*>(self);
+  if (i < 0 || i > 1) {
+    PyErr_SetString(PyExc_IndexError, "an entry is (tensor, record)");
+    return nullptr;
+  }
+  PyObject* item = i == 0 ? e->tensor : e->record;
+  Py_INCREF(item);
+  return item;
+}
+
+PyObject* EntryRepr(PyObject* self) {
+  auto* e = reinterpret_cast<PyEntry*>(self);
+  return PyUnicode_FromFormat("<entry %R>", e->record);
+}
+
+PyType_Slot kEntrySlots[] = {
+    {Py_tp_dealloc, reinterpret_cast<void*>(EntryDealloc)},
+    {Py_tp_repr, reinterpret_cast<void*>(EntryRepr)},
+    {Py_sq_length, reinterpret_cast<void*>(EntryLength)},
+    {Py_sq_item, reinterpret_cast<void*>(EntryItem)},
+    {Py_tp_doc, const_cast<char*>("(tensor, record) of one donation, untracked by the GC.")},
+    {0, nullptr},
+};
+
+PyType_Spec kEntrySpec = {
+    "torch_xla_donate._C.Entry",
+    sizeof(PyEntry),
+    0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    kEntrySlots,
+};
+
+// The (tensor, record) of an Entry or of a 2-tuple; false if `o` is neither.
+bool EntryParts(PyObject* o, PyObject** tensor, PyObject** record) {
+  if (Py_TYPE(o) == g_entry_type) {
+    *tensor = reinterpret_cast<PyEntry*>(o)->tensor;
+    *record = reinterpret_cast<PyEntry*>(o)->record;
+    return true;
+  }
+  if (PyTuple_Check(o) && PyTuple_GET_SIZE(o) == 2) {
+    *tensor = PyTuple_GET_ITEM(o, 0);
+    *record = PyTuple_GET_ITEM(o, 1);
+    return true;
+  }
+  return false;
+}
+
+// ---------------------------------------------------------------------------
 // The hot path's view of torch and torch_xla: callables bound at import.
 
 struct Hooks {
@@ -672,8 +761,9 @@ const RecordPtr& RecordArg(PyObject* o) {
 // Splits a committed step (`tensors`, `records`, with `pending`: which ones
 // hold pending IR) into donors and drops:
 //  * pending: updated in place after marking, an output: UPDATED_IN_PLACE;
-//  * views or aliases alive: donor flag cleared, CANCELLED, listed as dropped;
-//  * the rest stay donors, as (tensor, record) pairs.
+//  * views or aliases alive, or saved for backward by an autograd graph
+//    built after marking: donor flag cleared, CANCELLED, listed as dropped;
+//  * the rest stay donors, as (tensor, record) Entry pairs.
 // Returns (donors, dropped records).
 py::tuple SplitCommitted(py::list tensors, py::list records, py::object pending) {
   RequireBound();
@@ -695,12 +785,24 @@ py::tuple SplitCommitted(py::list tensors, py::list records, py::object pending)
     }
     long uses = StorageUseCount(t);
     Check(!(uses == -1 && PyErr_Occurred()));
-    if (uses > 1) {
+    int held = 0;
+    if (uses <= 1) {
+      TensorFacts facts;
+      int r = Facts(t, &facts);
+      Check(r >= 0);
+      held = r == 1 ? HeldByAutograd(t, facts) : 0;
+      Check(held >= 0);
+    }
+    if (uses > 1 || held) {
       Check(SetDonor(t, false) >= 0);
       GlobalLedger().Settle(record, Verdict::kCancelled);
       dropped.append(py::handle(rec));
     } else {
-      donors.append(py::make_tuple(py::handle(t), py::handle(rec)));
+      PyObject* entry = NewEntry(t, rec);
+      Check(entry != nullptr);
+      int appended = PyList_Append(donors.ptr(), entry);
+      Py_DECREF(entry);
+      Check(appended == 0);
     }
   }
   return py::make_tuple(donors, dropped);
@@ -719,11 +821,9 @@ py::tuple SplitCommitted(py::list tensors, py::list records, py::object pending)
 void PoisonDonors(py::list donors) {
   RequireBound();
   for (size_t i = 0, n = donors.size(); i < n; ++i) {
-    PyObject* entry = PyList_GET_ITEM(donors.ptr(), i);
-    if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 2)
+    PyObject *t, *rec;
+    if (!EntryParts(PyList_GET_ITEM(donors.ptr(), i), &t, &rec))
       throw py::type_error("donors must be (tensor, record) pairs");
-    PyObject* t = PyTuple_GET_ITEM(entry, 0);
-    PyObject* rec = PyTuple_GET_ITEM(entry, 1);
     RecordArg(rec);  // type check
     Check(Poison(t, rec) == 0);
   }
@@ -739,10 +839,10 @@ py::tuple SettleEntries(py::list entries, bool certain) {
   py::list unknown, unused;
   for (size_t i = 0, n = entries.size(); i < n; ++i) {
     PyObject* entry = PyList_GET_ITEM(entries.ptr(), i);
-    if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 2)
+    PyObject *t, *rec;
+    if (!EntryParts(entry, &t, &rec))
       throw py::type_error("entries must be (tensor, record) pairs");
-    PyObject* t = PyTuple_GET_ITEM(entry, 0);
-    const RecordPtr& record = RecordArg(PyTuple_GET_ITEM(entry, 1));
+    const RecordPtr& record = RecordArg(rec);
     if (record->verdict != Verdict::kInFlight) continue;
     int deleted = BufferDeleted(t);
     Check(deleted >= 0);
@@ -850,6 +950,9 @@ PYBIND11_MODULE(_C, m) {
   g_record_type = reinterpret_cast<PyTypeObject*>(PyType_FromSpec(&kRecordSpec));
   if (!g_record_type) throw py::error_already_set();
   m.attr("Record") = py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(g_record_type));
+  g_entry_type = reinterpret_cast<PyTypeObject*>(PyType_FromSpec(&kEntrySpec));
+  if (!g_entry_type) throw py::error_already_set();
+  m.attr("Entry") = py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(g_entry_type));
 
   m.def(
       "mark",

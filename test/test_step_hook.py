@@ -268,3 +268,22 @@ def test_async_unused_donation_cannot_fire_in_the_step_that_first_uses_it(dev):
     torch_xla.sync(wait=True)
     assert buffer_ptr(later) != ptr
     assert x.cpu().tolist() == [0.0, 1.0, 2.0] and later.cpu().tolist() == [1.0, 2.0, 3.0]
+
+
+def test_open_verdicts_are_not_tracked_by_the_garbage_collector(dev):
+    # A step with thousands of donations keeps them all until the next
+    # barrier; as tuples they would make full collections run far more often.
+    import gc
+    states = list(materialize(*[torch.full((4,), float(i), device=dev) for i in range(50)]))
+    for s in states:
+        tdx.donate_buffer(s)
+    states = [s * 2 for s in states]
+    torch_xla.sync(wait=False)
+    entries = tdx.step_hook._in_flight
+    assert len(entries) == 50
+    assert not any(gc.is_tracked(e) for e in entries)
+    t, record = entries[0]
+    assert (t, record) == (entries[0][0], entries[0][1]) and record.shape_string == "f32[4]"
+    xm.wait_device_ops()
+    assert all(tdx.is_deleted(e[0]) for e in entries)
+    assert [s.cpu()[0].item() for s in states[:3]] == [0.0, 2.0, 4.0]

@@ -165,11 +165,10 @@ def _drop_unsafe(tensors, records):
     updated = _xla.has_pending_ir(tensors) if tensors else []
     # Per tensor, natively: pending (updated in place after marking: an
     # output, keep it) -> UPDATED_IN_PLACE; a view or alias alive
-    # (_xla.storage_use_count(t) > 1) -> flag cleared, CANCELLED, dropped;
-    # else a donor.
+    # (_xla.storage_use_count(t) > 1) or saved for backward since marking
+    # (held_by_autograd(t)) -> flag cleared, CANCELLED, dropped; else a
+    # donor, as a (tensor, record) _C.Entry.
     donors, dropped = _C.split_committed(tensors, records, updated)
-    if any(t.requires_grad for t, _ in donors):
-        donors = _drop_held_by_autograd(donors, dropped)
     if dropped:
         _warn(
             DroppedDonationWarning,
@@ -212,20 +211,6 @@ def held_by_autograd(t) -> bool:
         return torch._C._storage_Use_Count(t.untyped_storage()._cdata) == 1
     except RuntimeError:  # no storage (a wrapper subclass): other checks say why
         return False
-
-
-def _drop_held_by_autograd(donors, dropped) -> list:
-    """Drops (CANCELLED, flag cleared, appended to ``dropped``) the donors an
-    autograd graph built after marking still holds; returns the others."""
-    keep = []
-    for t, record in donors:
-        if held_by_autograd(t):
-            _xla.set_donor(t, False)
-            _C.settle(record, _C.Verdict.CANCELLED)
-            dropped.append(record)
-        else:
-            keep.append((t, record))
-    return keep
 
 
 def _cancel_junk(tensors, records):
