@@ -296,14 +296,14 @@ bool IsTensor(PyObject* t);
 
 // The native facts of a torch tensor (tensor_facts.h).  1 read, 0 not a
 // tensor or torch raised (the caller takes the Python route), -1 error.
-int Facts(PyObject* t, TensorFacts* facts) {
+int Facts(PyObject* t, TensorFacts* facts, bool with_sizes = true) {
   if (!IsTensor(t)) return 0;
   PyObject* cdata = PyObject_GetAttr(t, g_names.cdata);  // its TensorImpl
   if (!cdata) return -1;
   auto impl = static_cast<uintptr_t>(PyLong_AsUnsignedLongLong(cdata));
   Py_DECREF(cdata);
   if (PyErr_Occurred()) return -1;
-  return impl != 0 && ReadTensorFacts(impl, facts) ? 1 : 0;
+  return impl != 0 && ReadTensorFacts(impl, facts, with_sizes) ? 1 : 0;
 }
 
 // torch._C._storage_Use_Count(t.untyped_storage()._cdata), as _xla.py's
@@ -783,16 +783,14 @@ py::tuple SplitCommitted(py::list tensors, py::list records, py::object pending)
       GlobalLedger().Settle(record, Verdict::kUpdatedInPlace);
       continue;
     }
-    long uses = StorageUseCount(t);
+    TensorFacts facts;
+    const int read = Facts(t, &facts, /*with_sizes=*/false);
+    Check(read >= 0);
+    long uses = read == 1 && facts.storage_use_count > 0 ? facts.storage_use_count
+                                                         : StorageUseCountViaPython(t);
     Check(!(uses == -1 && PyErr_Occurred()));
-    int held = 0;
-    if (uses <= 1) {
-      TensorFacts facts;
-      int r = Facts(t, &facts);
-      Check(r >= 0);
-      held = r == 1 ? HeldByAutograd(t, facts) : 0;
-      Check(held >= 0);
-    }
+    int held = uses <= 1 && read == 1 ? HeldByAutograd(t, facts) : 0;
+    Check(held >= 0);
     if (uses > 1 || held) {
       Check(SetDonor(t, false) >= 0);
       GlobalLedger().Settle(record, Verdict::kCancelled);

@@ -9,7 +9,7 @@
 
 namespace torch_xla_donate {
 
-bool ReadTensorFacts(uintptr_t address, TensorFacts* out) {
+bool ReadTensorFacts(uintptr_t address, TensorFacts* out, bool with_sizes) {
   auto* impl = reinterpret_cast<c10::TensorImpl*>(address);
   try {
     out->is_xla = impl->is_xla();
@@ -22,7 +22,7 @@ bool ReadTensorFacts(uintptr_t address, TensorFacts* out) {
     out->scalar_type = dtype.isScalarType() ? static_cast<int>(dtype.toScalarType()) : -1;
     out->symbolic_sizes = impl->has_symbolic_sizes_strides();
     out->sizes.clear();
-    if (!out->symbolic_sizes) {
+    if (with_sizes && !out->symbolic_sizes) {
       c10::IntArrayRef sizes = impl->sizes();  // XLA: its own override
       out->sizes.assign(sizes.begin(), sizes.end());
     }

@@ -33,7 +33,8 @@ struct TensorFacts {
 
 // Reads the facts of the tensor whose c10::TensorImpl is at `impl` (the
 // address torch's Python binding gives as `t._cdata`).  False if torch
-// raised while answering (the caller then takes the Python route).
-bool ReadTensorFacts(uintptr_t impl, TensorFacts* out);
+// raised while answering (the caller then takes the Python route).  Without
+// `with_sizes`, `sizes` stays empty: reading them asks the XLA tensor.
+bool ReadTensorFacts(uintptr_t impl, TensorFacts* out, bool with_sizes = true);
 
 }  // namespace torch_xla_donate
