@@ -19,9 +19,12 @@ Around the real barrier:
    cannot start before this step was dispatched), by the first use of the
    tensor, or by ``is_deleted``.  Nothing blocks the training loop.
 
-The torch_xla donor flag of every committed tensor is cleared as soon as its
-step's graph is built: a flag the step did not use would otherwise stay armed
-and fire at some later, unrelated step.
+A donor's torch_xla flag is cleared when its verdict says the step did not
+take the buffer (unused, failed step): a flag left armed would fire at some
+later, unrelated step.  Until that verdict the tensor is poisoned, so no later
+graph can take it as an input without a use that settles it first; a
+consumed buffer is gone, and its flag with it.  (Clearing every donor's flag
+right after the barrier, as we first did, costs a torch_xla call per tensor.)
 
 Several devices in one process (``torch_xla.launch`` runs one thread per
 local device): a barrier syncs only its own device, so it commits only the
@@ -143,9 +146,9 @@ def _step_marker(device="", devices=(), wait=True, reset_scope=True):
             _note_failure()
             _abandon(donors, _C.Verdict.STEP_FAILED)
             raise
-        # The donor set is fixed: clear each donor's flag and poison it (see
-        # the module doc).  One native call does ``_xla.set_donor(t, False)``
-        # and ``poison.poison(t, record)`` per donor.
+        # The donor set is fixed: poison the donors.  One native call does
+        # ``poison.poison(t, record)`` per donor; their flags stay until their
+        # verdicts (see the module doc).
         _C.poison_donors(donors)
         _dispatched(here, step if wait else step - 1)
         # This barrier could not start before the previous step of its
