@@ -240,10 +240,19 @@ def _race_marks_against_barriers(dev, n, undo):
     return undone
 
 
+# A barrier that runs between ``s * 2`` and ``donate_buffer(s)`` takes the
+# consumer with it; the next step no longer reads ``s``, so that mark ends
+# unused (value kept, with a warning): one of the outcomes the race allows.
+_UNUSED_IS_AN_OUTCOME = pytest.mark.filterwarnings(
+    "ignore::torch_xla_donate.UnusedDonationWarning")
+
+
+@_UNUSED_IS_AN_OUTCOME
 def test_barriers_racing_marks(dev):
     _race_marks_against_barriers(dev, n=150, undo=False)
 
 
+@_UNUSED_IS_AN_OUTCOME
 def test_barriers_racing_undonate(dev, monkeypatch):
     # Widen the window between dropping the ledger entry and clearing the
     # donor flag, where a barrier used to donate a cancelled tensor.
