@@ -36,12 +36,12 @@ enum class Verdict : int {
 
 const char* VerdictName(Verdict v);
 
-// Everything the user may want to know about one donation, also after the
-// tensor is gone.  Shared by the ledger's history and the poisoned tensor.
 // A file name shared by every record made from the same call site: a loop
 // that donates thousands of tensors from one line copies no string.
 using FilePtr = std::shared_ptr<const std::string>;
 
+// Everything the user may want to know about one donation, also after the
+// tensor is gone.  Shared by the ledger's history and the poisoned tensor.
 struct Record {
   int64_t id = 0;
   int64_t step = -1;  // the step barrier that committed the mark

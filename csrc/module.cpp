@@ -323,12 +323,10 @@ long StorageUseCountViaPython(PyObject* t) {
   return count;
 }
 
-// The same count, natively when possible.  -1 on error.
-long StorageUseCount(PyObject* t) {
-  TensorFacts facts;
-  int r = Facts(t, &facts);
-  if (r < 0) return -1;
-  if (r == 1 && facts.storage_use_count > 0) return facts.storage_use_count;
+// The same count, from `facts` when Facts() read them (`read` is its
+// result) and they have it, else the Python route.  -1 on error.
+long StorageUseCount(PyObject* t, int read, const TensorFacts& facts) {
+  if (read == 1 && facts.storage_use_count > 0) return facts.storage_use_count;
   return StorageUseCountViaPython(t);
 }
 
@@ -786,8 +784,7 @@ py::tuple SplitCommitted(py::list tensors, py::list records, py::object pending)
     TensorFacts facts;
     const int read = Facts(t, &facts, /*with_sizes=*/false);
     Check(read >= 0);
-    long uses = read == 1 && facts.storage_use_count > 0 ? facts.storage_use_count
-                                                         : StorageUseCountViaPython(t);
+    long uses = StorageUseCount(t, read, facts);
     Check(!(uses == -1 && PyErr_Occurred()));
     int held = uses <= 1 && read == 1 ? HeldByAutograd(t, facts) : 0;
     Check(held >= 0);
