@@ -9,9 +9,10 @@ import torch
 from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import find_packages, setup
 
-# csrc/tensor_facts.cpp reads tensors through torch's c10 headers (they ship
-# in the torch wheel) and links libc10.  -idirafter: torch/include also holds
-# a copy of pybind11, which must not shadow the pybind11 we build with.
+# csrc/tensor_facts.cpp and csrc/record_tag.cpp reach tensors through torch's
+# c10 headers (they ship in the torch wheel); the module links libc10.
+# -idirafter: torch/include also holds a copy of pybind11, which must not
+# shadow the pybind11 we build with.
 TORCH_DIR = os.path.dirname(torch.__file__)
 TORCH_INCLUDE = os.path.join(TORCH_DIR, "include")
 TORCH_LIB = os.path.join(TORCH_DIR, "lib")
@@ -19,7 +20,7 @@ CXX11_ABI = int(torch._C._GLIBCXX_USE_CXX11_ABI)
 
 ext = Pybind11Extension(
     "torch_xla_donate._C",
-    sources=["csrc/ledger.cpp", "csrc/module.cpp", "csrc/tensor_facts.cpp"],
+    sources=["csrc/ledger.cpp", "csrc/module.cpp", "csrc/record_tag.cpp", "csrc/tensor_facts.cpp"],
     include_dirs=["csrc"],
     extra_compile_args=["-idirafter", TORCH_INCLUDE, f"-D_GLIBCXX_USE_CXX11_ABI={CXX11_ABI}"],
     library_dirs=[TORCH_LIB],

@@ -25,6 +25,7 @@
 #include <unordered_map>
 
 #include "ledger.h"
+#include "record_tag.h"
 #include "tensor_facts.h"
 
 namespace py = pybind11;
@@ -248,7 +249,6 @@ struct Hooks {
   PyObject* storage_use_count = nullptr;  // storage._cdata -> int
   PyObject* dtype_info = nullptr;         // dtype -> (xla name, itemsize)
   PyObject* donated_type = nullptr;       // poison._DonatedTensor
-  PyObject* state_attr = nullptr;         // poison._STATE
   PyObject* poison_class_for = nullptr;   // type -> poisoned twin
   PyObject* fast_types = nullptr;         // tuple: exact types of the fast path
 
@@ -256,7 +256,7 @@ struct Hooks {
     return tensor_type && set_donor && buffer_deleted && need_materialization &&
            storage_use_count && dtype_info;
   }
-  bool poison_bound() const { return donated_type && state_attr && poison_class_for; }
+  bool poison_bound() const { return donated_type && poison_class_for; }
 };
 
 Hooks g_hooks;
@@ -294,15 +294,22 @@ int SetDonor(PyObject* t, bool donate) {
 
 bool IsTensor(PyObject* t);
 
+// The address of a torch tensor's c10::TensorImpl (`t._cdata`).  False with
+// a Python error set.
+bool ImplAddress(PyObject* t, uintptr_t* impl) {
+  PyObject* cdata = PyObject_GetAttr(t, g_names.cdata);
+  if (!cdata) return false;
+  *impl = static_cast<uintptr_t>(PyLong_AsUnsignedLongLong(cdata));
+  Py_DECREF(cdata);
+  return !PyErr_Occurred();
+}
+
 // The native facts of a torch tensor (tensor_facts.h).  1 read, 0 not a
 // tensor or torch raised (the caller takes the Python route), -1 error.
 int Facts(PyObject* t, TensorFacts* facts, bool with_sizes = true) {
   if (!IsTensor(t)) return 0;
-  PyObject* cdata = PyObject_GetAttr(t, g_names.cdata);  // its TensorImpl
-  if (!cdata) return -1;
-  auto impl = static_cast<uintptr_t>(PyLong_AsUnsignedLongLong(cdata));
-  Py_DECREF(cdata);
-  if (PyErr_Occurred()) return -1;
+  uintptr_t impl;
+  if (!ImplAddress(t, &impl)) return -1;
   return impl != 0 && ReadTensorFacts(impl, facts, with_sizes) ? 1 : 0;
 }
 
@@ -505,10 +512,21 @@ bool ResolveWhere(PyObject* where, FilePtr* file, int* line) {
   return false;
 }
 
-// Mirrors poison.poison(t, record): the record goes into t's __dict__ and t
-// takes the donated twin of its class.  0 ok, -1 error.
+// Tags t's TensorImpl with `record` (record_tag.h).  0 ok, -1 error.
+int TagTensor(PyObject* t, const RecordPtr& record) {
+  uintptr_t impl;
+  if (!ImplAddress(t, &impl)) return -1;
+  if (impl == 0 || !TagRecord(impl, record)) {
+    PyErr_SetString(PyExc_TypeError, "cannot tag this tensor with its donation record");
+    return -1;
+  }
+  return 0;
+}
+
+// Mirrors poison.poison(t, record): t's TensorImpl is tagged with the record
+// and t takes the donated twin of its class.  0 ok, -1 error.
 int Poison(PyObject* t, PyObject* record) {
-  if (PyObject_GenericSetAttr(t, g_hooks.state_attr, record) < 0) return -1;
+  if (TagTensor(t, Unwrap(record)) < 0) return -1;
   if (PyObject_TypeCheck(t, reinterpret_cast<PyTypeObject*>(g_hooks.donated_type))) return 0;
   PyTypeObject* type = Py_TYPE(t);
   PyObject* twin;
@@ -824,6 +842,28 @@ void PoisonDonors(py::list donors) {
   }
 }
 
+// poison.py's access to the record tag of a tensor (record_tag.h).
+void TagRecordOf(py::handle t, py::handle record) {
+  if (!IsTensor(t.ptr())) throw py::type_error("expected a torch.Tensor");
+  Check(TagTensor(t.ptr(), RecordArg(record.ptr())) == 0);
+}
+
+py::object TaggedRecordOf(py::handle t) {
+  uintptr_t impl;
+  if (!IsTensor(t.ptr())) return py::none();
+  Check(ImplAddress(t.ptr(), &impl));
+  RecordPtr record = impl ? TaggedRecord(impl) : RecordPtr();
+  if (!record) return py::none();
+  return py::reinterpret_steal<py::object>(WrapRecord(std::move(record)));
+}
+
+void UntagRecordOf(py::handle t) {
+  uintptr_t impl;
+  if (!IsTensor(t.ptr())) return;
+  Check(ImplAddress(t.ptr(), &impl));
+  if (impl) UntagRecord(impl);
+}
+
 // Settles in-flight (tensor, record) entries: a deleted buffer is CONSUMED;
 // a live one is unused only if `certain` that its step was dispatched.
 // Entries settled meanwhile (by a use of the tensor) are skipped.
@@ -859,7 +899,6 @@ void Bind(py::kwargs hooks) {
       {"storage_use_count", &Hooks::storage_use_count},
       {"dtype_info", &Hooks::dtype_info},
       {"donated_type", &Hooks::donated_type},
-      {"state_attr", &Hooks::state_attr},
       {"poison_class_for", &Hooks::poison_class_for},
       {"fast_types", &Hooks::fast_types},
   };
@@ -1046,6 +1085,12 @@ PYBIND11_MODULE(_C, m) {
   m.def("split_committed", &SplitCommitted, py::arg("tensors"), py::arg("records"),
         py::arg("pending"));
   m.def("poison_donors", &PoisonDonors, py::arg("donors"));
+  m.def("tag_record", &TagRecordOf, py::arg("tensor"), py::arg("record"),
+        "Tags the tensor's TensorImpl with its donation record.");
+  m.def("tagged_record", &TaggedRecordOf, py::arg("tensor"),
+        "The donation record the tensor is tagged with, or None.");
+  m.def("untag_record", &UntagRecordOf, py::arg("tensor"),
+        "Removes the tensor's donation record tag, if any.");
   m.def("settle_entries", &SettleEntries, py::arg("entries"), py::arg("certain"));
   if (PyModule_AddFunctions(m.ptr(), kFastMethods) < 0) throw py::error_already_set();
 }

@@ -98,3 +98,42 @@ def test_unpoison_restores_the_original_class(consumed_record):
     poison.unpoison(p)
     assert type(p) is torch.nn.Parameter and not poison.is_poisoned(p)
     assert p.sum().item() == 2
+
+
+def test_the_record_rides_on_the_tensor_and_leaves_with_unpoison(consumed_record):
+    t = torch.ones(2)
+    assert poison.donation_record(t) is None
+    poison.poison(t, consumed_record)
+    assert poison.donation_record(t).id == consumed_record.id
+    poison.unpoison(t)
+    assert poison.donation_record(t) is None and t.sum().item() == 2
+
+
+def test_shallow_copies_of_a_tagged_tensor_carry_no_record(consumed_record):
+    # torch copies a TensorImpl's metadata into detach()/.data copies; a copy
+    # is no donated tensor.  (Tagged, not poisoned, so detach() may run.)
+    t = torch.ones(2)
+    _C.tag_record(t, consumed_record)
+    assert _C.tagged_record(t).id == consumed_record.id
+    assert _C.tagged_record(t.detach()) is None
+    assert _C.tagged_record(t.data) is None
+    _C.untag_record(t)
+    assert _C.tagged_record(t) is None
+
+
+def test_poisoning_allocates_nothing_the_garbage_collector_counts(consumed_record):
+    # A __dict__ per poisoned tensor (our first design) doubled a training
+    # loop's young-generation collections; gc.get_count()[0] counts them.
+    import gc
+
+    ts = [torch.ones(2) for _ in range(200)]
+    gc.disable()
+    try:
+        before = gc.get_count()[0]
+        for t in ts:
+            poison.poison(t, consumed_record)
+        grown = gc.get_count()[0] - before
+    finally:
+        gc.enable()
+    assert grown < 20, grown
+    assert all(poison.donation_record(t).id == consumed_record.id for t in ts)

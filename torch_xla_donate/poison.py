@@ -48,10 +48,11 @@ _METADATA_READS = frozenset(
         torch.Tensor.element_size,
         torch.Tensor.__len__,
         torch.Tensor.__hash__,
+        # The TensorImpl's address: how _C finds a tensor's record tag.
+        torch.Tensor._cdata.__get__,
     }
 )
 
-_STATE = "_torch_xla_donate_record"
 _settle_hook = None  # set by step_hook: settles an in-flight tensor's verdict
 
 
@@ -98,8 +99,13 @@ def _poison_class_for(cls: type) -> type:
 
 
 def poison(t: torch.Tensor, record) -> None:
-    """Makes ``t`` refuse use; ``record`` is its ledger entry (in flight or consumed)."""
-    object.__setattr__(t, _STATE, record)
+    """Makes ``t`` refuse use; ``record`` is its ledger entry (in flight or consumed).
+
+    The record rides on ``t``'s TensorImpl, not in ``t.__dict__``: a dict per
+    donated tensor and step would double the garbage collector's work in a
+    training loop (see csrc/record_tag.h).
+    """
+    _C.tag_record(t, record)
     if not isinstance(t, _DonatedTensor):
         t.__class__ = _poison_class_for(type(t))
 
@@ -108,7 +114,7 @@ def unpoison(t: torch.Tensor) -> None:
     """Gives ``t`` back its own class: its donation went unused."""
     if isinstance(t, _DonatedTensor):
         t.__class__ = type(t)._original_class
-    t.__dict__.pop(_STATE, None)
+    _C.untag_record(t)
 
 
 def is_poisoned(t) -> bool:
@@ -117,7 +123,7 @@ def is_poisoned(t) -> bool:
 
 def donation_record(t):
     """The ledger record of a poisoned tensor, or None."""
-    return t.__dict__.get(_STATE) if isinstance(t, torch.Tensor) else None
+    return _C.tagged_record(t) if isinstance(t, torch.Tensor) else None
 
 
 def _settled_consumed(t) -> bool:
@@ -157,5 +163,5 @@ def _donated_in(args, kwargs):
 
 # The step hook poisons a whole step's donors in one native call
 # (``_C.poison_donors``), which does for each exactly what ``poison`` does:
-# the record under ``_STATE``, then the class from ``_poison_class_for``.
-_C.bind(donated_type=_DonatedTensor, state_attr=_STATE, poison_class_for=_poison_class_for)
+# the record tag, then the class from ``_poison_class_for``.
+_C.bind(donated_type=_DonatedTensor, poison_class_for=_poison_class_for)
