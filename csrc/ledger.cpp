@@ -32,7 +32,7 @@ RecordPtr Ledger::Mark(py::object tensor, FilePtr file, int line,
                        int64_t nbytes) {
   std::lock_guard<std::mutex> lock(mu_);
   PyObject* key = tensor.ptr();
-  if (index_.count(key)) return nullptr;
+  if (index_.Find(key)) return nullptr;
   auto record = std::make_shared<Record>();
   record->id = next_id_++;
   record->file = std::move(file);
@@ -40,7 +40,7 @@ RecordPtr Ledger::Mark(py::object tensor, FilePtr file, int line,
   record->shape = std::move(shape);
   record->dtype = std::move(dtype);
   record->nbytes = nbytes;
-  index_.emplace(key, marks_.size());
+  index_.Set(key, marks_.size());
   marks_.push_back(Mark_{std::move(tensor), record});
   return record;
 }
@@ -49,10 +49,10 @@ RecordPtr Ledger::Unmark(const py::handle& tensor) {
   Mark_ removed;  // destroyed after the lock is released (see below)
   {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = index_.find(tensor.ptr());
-    if (it == index_.end()) return nullptr;
-    size_t slot = it->second;
-    index_.erase(it);
+    const size_t* found = index_.Find(tensor.ptr());
+    if (!found) return nullptr;
+    size_t slot = *found;
+    index_.Erase(tensor.ptr());
     // Leave an empty slot (a tombstone) so that the other slots, and marking
     // order, stay as they are: undoing many marks (an all-or-nothing pytree
     // donation that failed) stays linear.  Compact once tombstones dominate.
@@ -68,7 +68,7 @@ RecordPtr Ledger::Unmark(const py::handle& tensor) {
 
 bool Ledger::IsMarked(const py::handle& tensor) const {
   std::lock_guard<std::mutex> lock(mu_);
-  return index_.count(tensor.ptr()) != 0;
+  return index_.Find(tensor.ptr()) != nullptr;
 }
 
 std::vector<py::object> Ledger::MarkedTensors() const {
@@ -90,7 +90,7 @@ void Ledger::CompactLocked() {
   for (size_t i = 0; i < marks_.size(); ++i) {
     if (!marks_[i].record) continue;  // tombstones hold no tensor: no decref
     if (live != i) marks_[live] = std::move(marks_[i]);
-    index_[marks_[live].tensor.ptr()] = live;
+    index_.Set(marks_[live].tensor.ptr(), live);
     ++live;
   }
   marks_.resize(live);
@@ -104,7 +104,8 @@ int64_t Ledger::BeginStep(std::vector<py::object>* tensors,
     std::lock_guard<std::mutex> lock(mu_);
     step = ++step_;
     marks.swap(marks_);
-    index_.clear();
+    marks_.reserve(marks.size());  // the next step likely marks as many
+    index_.Clear();
     StepStats stats;
     stats.step = step;
     for (auto& m : marks) {
@@ -220,7 +221,7 @@ void Ledger::Reset() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     dropped.swap(marks_);
-    index_.clear();
+    index_.Clear();
     history_.clear();
     totals_ = StepStats();
     ++generation_;

@@ -15,8 +15,9 @@
 #include <memory>
 #include <mutex>
 #include <string>
-#include <unordered_map>
 #include <vector>
+
+#include "ptr_index.h"
 
 namespace torch_xla_donate {
 
@@ -126,7 +127,7 @@ class Ledger {
   int64_t step_ = 0;  // number of step barriers that committed marks
   int64_t generation_ = 0;
   std::vector<Mark_> marks_;  // in marking order; unmarked slots are empty
-  std::unordered_map<PyObject*, size_t> index_;   // tensor -> slot in marks_
+  PtrIndex index_;              // tensor -> slot in marks_
   std::deque<StepStats> history_;
   StepStats totals_;
 };
