@@ -202,6 +202,56 @@ def test_weakref_to_a_donated_tensor_sees_the_poison(dev):
         ref().sum()
 
 
+def test_a_donor_only_a_weakref_reaches_is_still_poisoned(dev):
+    import weakref
+    p, g, ptr = _functional_update(dev, n=8)
+    ref = weakref.ref(p)
+    new = p + g
+    del p  # only the weakref (and the plugin) can reach it now
+    torch_xla.sync()
+    assert buffer_ptr(new) == ptr
+    with pytest.raises(tdx.DonatedBufferError):
+        ref().sum()
+
+
+def test_a_donor_an_autograd_node_holds_is_still_poisoned(dev):
+    # The AccumulateGrad node of a leaf keeps its TensorImpl, and hands the
+    # tensor back to Python (``.variable``) after the user dropped it.
+    w = materialize(torch.randn(8, device=dev).requires_grad_())
+    y = w * 2
+    tdx.donate_buffer(w)
+    with torch.no_grad():
+        new = w * 0.5
+    del w
+    torch_xla.sync()
+    again = y.grad_fn.next_functions[0][0].variable
+    with pytest.raises(tdx.DonatedBufferError):
+        again.sum()
+
+
+def test_donors_the_user_dropped_are_judged_but_not_poisoned(dev):
+    # ``params = [p * 2 for p in params]`` drops the old tensors: nobody can
+    # use them again, so the barrier leaves them as they are (poisoning
+    # would only make freeing them dearer).  Their verdicts still count.
+    kept, dropped = materialize(torch.ones(4, device=dev), torch.ones(4, device=dev))
+    tdx.donate_buffer(kept)
+    tdx.donate_buffer(dropped)
+    new_kept, new_dropped = kept * 2, dropped * 3
+    del dropped
+    torch_xla.sync(wait=False)
+    step = _C.current_step()
+    in_flight = [t for t, _ in tdx.step_hook._in_flight]
+    assert len(in_flight) == 2 and tdx.poison.is_poisoned(kept)
+    assert [tdx.poison.is_poisoned(t) for t in in_flight if t is not kept] == [False]
+    del in_flight
+    tdx.step_hook.settle_in_flight()
+    r = tdx.last_step_report(step)
+    assert (r.donated, r.reused, r.unused) == (2, 2, 0)
+    with pytest.raises(tdx.DonatedBufferError):
+        kept.sum()
+    assert new_dropped.cpu().tolist() == [3.0] * 4 and new_kept.cpu().tolist() == [2.0] * 4
+
+
 def test_nn_parameter_is_poisoned_in_place(dev):
     lin = torch.nn.Linear(8, 8).to(dev)
     materialize(lin.weight)
@@ -284,6 +334,6 @@ def test_open_verdicts_are_not_tracked_by_the_garbage_collector(dev):
     assert not any(gc.is_tracked(e) for e in entries)
     t, record = entries[0]
     assert (t, record) == (entries[0][0], entries[0][1]) and record.shape_string == "f32[4]"
-    xm.wait_device_ops()
-    assert all(tdx.is_deleted(e[0]) for e in entries)
+    tdx.step_hook.settle_in_flight()
+    assert all(record.verdict == _C.Verdict.CONSUMED for _, record in entries)
     assert [s.cpu()[0].item() for s in states[:3]] == [0.0, 2.0, 4.0]

@@ -5,7 +5,8 @@ Every number comes from the native ledger, which judges each donation once
 its step ran:
 
 * *donated*: committed by the step's barrier;
-* *reused*: a step output took the buffer (the tensor is poisoned);
+* *reused*: a step output took the buffer (the tensor is poisoned, unless
+  the user had dropped it already: then it is simply freed);
 * *unused*: no output could take it (it kept its value; a warning said so);
 * *updated in place* after marking: an output itself, not a donor;
 * *dropped* at the barrier: a view or alias appeared after marking;
@@ -104,8 +105,10 @@ class StepReport:
 
     @property
     def poisoned(self) -> int:
-        """Tensors that now refuse every use: exactly the reused ones.  (An
-        in-flight donation is poisoned provisionally until it is judged.)"""
+        """Tensors that now refuse every use: exactly the reused ones (those
+        the user had dropped before the step are freed instead: nobody can
+        use them).  An in-flight donation is poisoned provisionally until it
+        is judged."""
         return self.reused
 
     @property

@@ -134,6 +134,9 @@ def _step_marker(device="", devices=(), wait=True, reset_scope=True):
             # go on, so that the step runs and the real marks stay consistent.
             tensors, records = _cancel_junk(tensors, records)
             donors = _drop_unsafe(tensors, records)
+        # From here on only the donors' entries refer to them (besides the
+        # user): poison_donors leaves alone those the user no longer holds.
+        del tensors, records
         if donors and not config.enabled():
             _abandon(donors, _C.Verdict.DISABLED)  # switched off after marking
             donors = []
@@ -147,8 +150,9 @@ def _step_marker(device="", devices=(), wait=True, reset_scope=True):
             _abandon(donors, _C.Verdict.STEP_FAILED)
             raise
         # The donor set is fixed: poison the donors.  One native call does
-        # ``poison.poison(t, record)`` per donor; their flags stay until their
-        # verdicts (see the module doc).
+        # ``poison.poison(t, record)`` per donor that the user still holds
+        # (one only its entry refers to cannot be used again); their flags
+        # stay until their verdicts (see the module doc).
         _C.poison_donors(donors)
         _dispatched(here, step if wait else step - 1)
         # This barrier could not start before the previous step of its
