@@ -16,7 +16,7 @@ device at its end included.  A mode's rate is the median of its windows, and
 the ratio to "no donation" is taken per process, then the median over
 processes.
 
-    python benchmarks/bench_async.py [--repeats 3] [--windows 8] [--steps 20]
+    python benchmarks/bench_async.py [--repeats 5] [--windows 8] [--steps 20]
 """
 import argparse
 import os
@@ -88,7 +88,7 @@ def child(count: int, numel: int, windows: int, steps: int) -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--windows", type=int, default=8)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

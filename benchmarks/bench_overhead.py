@@ -13,7 +13,13 @@ alike):
                          verdicts or poisoning;
 * ``donate_buffer``      ``torch_xla_donate.donate_buffer(t)`` per tensor;
 * ``donate(list)``       one ``torch_xla_donate.donate(ts)`` call (the pytree
-                         API) per step.
+                         API) per step;
+* ``donate_buffer, kept`` as ``donate_buffer``, but the loop still holds the
+                         old tensors during the barrier (it lets go right
+                         after), so the barrier must poison them.  In the
+                         other modes the loop drops them before the barrier
+                         (``ts = torch._foreach_add(ts, 1.0)``), and a donor
+                         nobody can reach is not poisoned.
 
 What the plugin adds is measured directly: the time of the donate calls plus
 the hook's own work at the barrier (``torch_xla.sync`` minus the real
@@ -32,8 +38,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 
-MODES = ["plain, no plugin", "plain", "raw torch_xla", "donate_buffer", "donate(list)"]
-HOOKED = {"plain", "donate_buffer", "donate(list)"}
+MODES = ["plain, no plugin", "plain", "raw torch_xla", "donate_buffer", "donate(list)",
+         "donate_buffer, kept"]
+HOOKED = {"plain", "donate_buffer", "donate(list)", "donate_buffer, kept"}
 TARGET_US = 3.0
 
 
@@ -72,10 +79,12 @@ def child(n: int, rounds: int, block: int) -> dict:
     for name in PHASES:
         setattr(_C, name, timed(name, getattr(_C, name)))
     gc_wall = [0.0, 0.0]
+    gc_runs = [0, 0, 0]  # collections of each generation in this step
 
     def on_gc(phase, info):
         if phase == "start":
             gc_wall[1] = time.perf_counter()
+            gc_runs[info["generation"]] += 1
         else:
             gc_wall[0] += time.perf_counter() - gc_wall[1]
 
@@ -88,19 +97,22 @@ def child(n: int, rounds: int, block: int) -> dict:
             step_hook.install() if mode in HOOKED else step_hook.uninstall()
         cpu.clear()
         gc_wall[0] = 0.0
+        gc_runs[:] = [0, 0, 0]
         c0, t0 = time.thread_time(), time.perf_counter()
         if mode == "raw torch_xla":
             for t in ts:
                 set_donation(t, True)
-        elif mode == "donate_buffer":
+        elif mode.startswith("donate_buffer"):
             for t in ts:
                 tdx.donate_buffer(t)
         elif mode == "donate(list)":
             tdx.donate(ts)
+        kept = ts if mode == "donate_buffer, kept" else None
         c1, t1 = time.thread_time(), time.perf_counter()
         ts = torch._foreach_add(ts, 1.0)
         c2, t2 = time.thread_time(), time.perf_counter()
         torch_xla.sync(wait=False)
+        del kept  # poisoned by now; the hook frees them at the next barrier
         c3, t3 = time.thread_time(), time.perf_counter()
         xm.wait_device_ops()
         t4 = time.perf_counter()
@@ -114,6 +126,7 @@ def child(n: int, rounds: int, block: int) -> dict:
             "host_wall": t3 - t0,
             "full_wall": t4 - t0,
             "gc_wall": gc_wall[0],
+            "gc_runs": list(gc_runs),
         }
         for name in PHASES:
             out[name] = cpu.get(name, 0.0)
@@ -126,17 +139,26 @@ def child(n: int, rounds: int, block: int) -> dict:
     for r in range(rounds):
         order = MODES[r % len(MODES):] + MODES[: r % len(MODES)]
         for m in order:
+            # Every block starts from a collected heap, so the collections
+            # in it are due to its own mode's allocations, not to the modes
+            # before it.
+            gc.collect()
             # The first step of a block may settle verdicts left by the
             # previous block's mode; the others are steady state.
             step(m)
             for _ in range(block - 1):
                 samples[m].append(step(m))
     med = {
-        m: {k: C.median([s[k] for s in v]) for k in v[0]} for m, v in samples.items()
+        m: {k: C.median([s[k] for s in v]) for k in v[0] if k != "gc_runs"}
+        for m, v in samples.items()
+    }
+    gc_per_100 = {
+        m: [round(100 * sum(s["gc_runs"][g] for s in v) / len(v), 1) for g in range(3)]
+        for m, v in samples.items()
     }
     mean_gc = {m: sum(s["gc_wall"] for s in v) / len(v) for m, v in samples.items()}
     return {"n": n, "steps_per_mode": len(samples[MODES[0]]), "median_s": med,
-            "mean_gc_s": mean_gc}
+            "mean_gc_s": mean_gc, "gc_collections_per_100_steps": gc_per_100}
 
 
 def derive(n: int, med: dict, mean_gc: dict) -> dict:
@@ -149,6 +171,8 @@ def derive(n: int, med: dict, mean_gc: dict) -> dict:
         "added_vs_raw_us_per_tensor": (d["host"] - raw["host"]) * per,
         "added_vs_plain_us_per_tensor": (d["host"] - base["host"]) * per,
         "donate_list_added_vs_raw_us_per_tensor": (med["donate(list)"]["host"] - raw["host"]) * per,
+        "kept_added_vs_raw_us_per_tensor": (med["donate_buffer, kept"]["host"] - raw["host"]) * per,
+        "kept_poison_us_per_tensor": med["donate_buffer, kept"]["poison_donors"] * per,
         # ... and wall clock, end to end (noisier on a shared machine).
         "wall_vs_raw_us_per_tensor": (d["full_wall"] - raw["full_wall"]) * per,
         "wall_vs_plain_us_per_tensor": (d["full_wall"] - base["full_wall"]) * per,
@@ -203,11 +227,13 @@ def main():
             f"**{d['added_vs_raw_us_per_tensor']:.1f}**",
             f"{d['added_vs_plain_us_per_tensor']:.1f}",
             f"{d['donate_list_added_vs_raw_us_per_tensor']:.1f}",
+            f"{d['kept_added_vs_raw_us_per_tensor']:.1f} (poisoning {d['kept_poison_us_per_tensor']:.2f})",
             f"{d['wall_vs_raw_us_per_tensor']:+.1f} / {d['wall_vs_plain_us_per_tensor']:+.1f}",
             f"{d['hook_fixed_us_per_step']:.0f}",
         ])
     summary = C.table(
         ["tensors", "donate_buffer adds vs raw", "vs no donation", "donate(list) adds vs raw",
+         "donate_buffer, old tensors kept, adds vs raw",
          "wall clock vs raw / vs no donation", "idle hook µs/step"],
         rows,
     )
@@ -236,10 +262,12 @@ def main():
                 f"{s['hook'] * 1e3:.1f}" if m in HOOKED else "-", f"{s['inner'] * 1e3:.1f}",
                 f"{s['host'] * 1e3:.1f}", f"{s['full_wall'] * 1e3:.1f}",
                 f"{r['derived']['gc_ms_per_step'][m]:.2f}",
+                "/".join(f"{c:g}" for c in r["gc_collections_per_100_steps"][m]),
             ])
     steps = C.table(
         ["tensors", "mode", "donate ms", "trace ms", "hook ms", "barrier ms",
-         "host CPU ms (no barrier)", "wall ms/step", "GC ms/step (mean)"],
+         "host CPU ms (no barrier)", "wall ms/step", "GC ms/step (mean)",
+         "GC runs per 100 steps (gen 0/1/2)"],
         step_rows,
     )
     md = (
@@ -272,7 +300,7 @@ def chart(runs):
          lambda d: d["donate_buffer_us_per_tensor"] - d["raw_set_buffer_donation_us_per_tensor"],
          "#1f77b4"),
         ("barrier: commit + alias checks", lambda d: ph(d, "begin_step", "split_committed"), "#6baed6"),
-        ("barrier: clear donor flag + poison", lambda d: ph(d, "poison_donors"), "#9ecae1"),
+        ("barrier: poison the donors still reachable", lambda d: ph(d, "poison_donors"), "#9ecae1"),
         ("barrier: verdicts", lambda d: ph(d, "settle_entries"), "#c6dbef"),
         ("other (rest of hook, net of work moved out of tracing)",
          lambda d: d["added_vs_raw_us_per_tensor"] - (
