@@ -13,7 +13,11 @@ namespace torch_xla_donate {
 bool ReadTensorFacts(uintptr_t address, TensorFacts* out, bool with_sizes) {
   auto* impl = reinterpret_cast<c10::TensorImpl*>(address);
   try {
-    out->is_xla = impl->is_xla();
+    // Not impl->is_xla(): for XLA's FunctionalTensorWrapper that asks the
+    // wrapped tensor for its device, a virtual call into torch_xla and two
+    // more objects to touch.  The dispatch keys, a field of the wrapper,
+    // say the same.
+    out->is_xla = impl->key_set().has_backend(c10::BackendComponent::XLABit);
     const c10::Storage& storage = impl->unsafe_storage();  // no throw for storage-less
     out->storage_use_count = storage ? static_cast<long>(storage.use_count()) : 0;
     out->impl_use_count = static_cast<long>(c10::raw::intrusive_ptr::use_count(impl));
