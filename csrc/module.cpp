@@ -308,7 +308,7 @@ bool ImplAddress(PyObject* t, uintptr_t* impl) {
 // tensor or torch raised (the caller takes the Python route), -1 error.
 int Facts(PyObject* t, TensorFacts* facts, bool with_sizes = true) {
   if (!IsTensor(t)) return 0;
-  uintptr_t impl;
+  uintptr_t impl = 0;
   if (!ImplAddress(t, &impl)) return -1;
   return impl != 0 && ReadTensorFacts(impl, facts, with_sizes) ? 1 : 0;
 }
@@ -515,7 +515,7 @@ bool ResolveWhere(PyObject* where, FilePtr* file, int* line) {
 
 // Tags t's TensorImpl with `record` (record_tag.h).  0 ok, -1 error.
 int TagTensor(PyObject* t, const RecordPtr& record) {
-  uintptr_t impl;
+  uintptr_t impl = 0;
   if (!ImplAddress(t, &impl)) return -1;
   if (impl == 0 || !TagRecord(impl, record)) {
     PyErr_SetString(PyExc_TypeError, "cannot tag this tensor with its donation record");
@@ -873,7 +873,7 @@ void TagRecordOf(py::handle t, py::handle record) {
 }
 
 py::object TaggedRecordOf(py::handle t) {
-  uintptr_t impl;
+  uintptr_t impl = 0;
   if (!IsTensor(t.ptr())) return py::none();
   Check(ImplAddress(t.ptr(), &impl));
   RecordPtr record = impl ? TaggedRecord(impl) : RecordPtr();
@@ -882,7 +882,7 @@ py::object TaggedRecordOf(py::handle t) {
 }
 
 void UntagRecordOf(py::handle t) {
-  uintptr_t impl;
+  uintptr_t impl = 0;
   if (!IsTensor(t.ptr())) return;
   Check(ImplAddress(t.ptr(), &impl));
   if (impl) UntagRecord(impl);
