@@ -294,9 +294,11 @@ int SetDonor(PyObject* t, bool donate) {
 
 bool IsTensor(PyObject* t);
 
-// The address of a torch tensor's c10::TensorImpl (`t._cdata`).  False with
-// a Python error set.
+// The address of a torch tensor's c10::TensorImpl (`t._cdata`); 0 when `t`
+// is no torch tensor.  False with a Python error set.
 bool ImplAddress(PyObject* t, uintptr_t* impl) {
+  *impl = 0;
+  if (!IsTensor(t)) return true;
   PyObject* cdata = PyObject_GetAttr(t, g_names.cdata);
   if (!cdata) return false;
   *impl = static_cast<uintptr_t>(PyLong_AsUnsignedLongLong(cdata));
@@ -307,7 +309,6 @@ bool ImplAddress(PyObject* t, uintptr_t* impl) {
 // The native facts of a torch tensor (tensor_facts.h).  1 read, 0 not a
 // tensor or torch raised (the caller takes the Python route), -1 error.
 int Facts(PyObject* t, TensorFacts* facts, bool with_sizes = true) {
-  if (!IsTensor(t)) return 0;
   uintptr_t impl = 0;
   if (!ImplAddress(t, &impl)) return -1;
   return impl != 0 && ReadTensorFacts(impl, facts, with_sizes) ? 1 : 0;
@@ -874,7 +875,6 @@ void TagRecordOf(py::handle t, py::handle record) {
 
 py::object TaggedRecordOf(py::handle t) {
   uintptr_t impl = 0;
-  if (!IsTensor(t.ptr())) return py::none();
   Check(ImplAddress(t.ptr(), &impl));
   RecordPtr record = impl ? TaggedRecord(impl) : RecordPtr();
   if (!record) return py::none();
@@ -883,7 +883,6 @@ py::object TaggedRecordOf(py::handle t) {
 
 void UntagRecordOf(py::handle t) {
   uintptr_t impl = 0;
-  if (!IsTensor(t.ptr())) return;
   Check(ImplAddress(t.ptr(), &impl));
   if (impl) UntagRecord(impl);
 }
