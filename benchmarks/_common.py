@@ -104,6 +104,17 @@ def median(xs):
     return statistics.median(xs)
 
 
+def round_robin(modes, r):
+    """The order of the modes in round ``r``: each round starts one mode
+    later, so no mode always runs first (or right after the same other).
+
+    >>> round_robin(["a", "b", "c"], 4)
+    ['b', 'c', 'a']
+    """
+    k = r % len(modes)
+    return modes[k:] + modes[:k]
+
+
 def table(headers, rows) -> str:
     """A GitHub-flavoured markdown table, also readable on a terminal."""
     cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]

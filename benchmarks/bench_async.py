@@ -69,7 +69,7 @@ def child(count: int, numel: int, windows: int, steps: int) -> dict:
     xm.wait_device_ops()
     rates = {mode: [] for mode in MODES}
     for w in range(windows):
-        for mode in MODES[w % len(MODES):] + MODES[: w % len(MODES)]:
+        for mode in C.round_robin(MODES, w):
             step(mode)  # settles the verdicts the previous mode left open
             xm.wait_device_ops()
             start = time.perf_counter()

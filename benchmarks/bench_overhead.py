@@ -138,8 +138,7 @@ def child(n: int, rounds: int, block: int) -> dict:
         for _ in range(2):
             step(m)
     for r in range(rounds):
-        order = MODES[r % len(MODES):] + MODES[: r % len(MODES)]
-        for m in order:
+        for m in C.round_robin(MODES, r):
             # Every block starts from a collected heap, so the collections
             # in it are due to its own mode's allocations, not to the modes
             # before it.
