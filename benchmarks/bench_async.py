@@ -124,7 +124,7 @@ def main():
         wrong = [r["value"] for r in procs if abs(r["value"] - r["expected"]) > 1e-4]
         ratio = summary[f"{wname} | donate_buffer"]["vs_no_donation"]
         verdicts.append(
-            f"- {wname}: donate_buffer runs at {100 * ratio:.0f}% of the loop without donation: "
+            f"- {wname}: donate_buffer runs at {100 * ratio:.1f}% of the loop without donation: "
             f"{'target met' if ratio >= TARGET else 'TARGET MISSED'} (≥ {100 * TARGET:.0f}%)."
             + ("" if not wrong else f" WRONG VALUES (not the update's closed form): {wrong}")
         )
