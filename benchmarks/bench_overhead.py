@@ -183,17 +183,19 @@ def paired(n: int, block_host: dict) -> dict:
     return out
 
 
-def derive(n: int, med: dict, mean_gc: dict) -> dict:
+def derive(n: int, med: dict, mean_gc: dict, pair: dict) -> dict:
     per = 1e6 / n  # seconds per step -> µs per tensor
     d, raw, plain, base = (med[m] for m in ("donate_buffer", "raw torch_xla", "plain",
                                             "plain, no plugin"))
     phases = sum(d[p] for p in PHASES)
     return {
         # What the plugin adds, host CPU of the whole step (barrier excluded):
-        "added_vs_raw_us_per_tensor": (d["host"] - raw["host"]) * per,
-        "added_vs_plain_us_per_tensor": (d["host"] - base["host"]) * per,
-        "donate_list_added_vs_raw_us_per_tensor": (med["donate(list)"]["host"] - raw["host"]) * per,
-        "kept_added_vs_raw_us_per_tensor": (med["donate_buffer, kept"]["host"] - raw["host"]) * per,
+        # the median of the differences paired within rounds (see `paired`),
+        # which a drifting machine disturbs less than a difference of medians.
+        "added_vs_raw_us_per_tensor": pair["donate_buffer"]["vs_raw"][1],
+        "added_vs_plain_us_per_tensor": pair["donate_buffer"]["vs_plain"][1],
+        "donate_list_added_vs_raw_us_per_tensor": pair["donate(list)"]["vs_raw"][1],
+        "kept_added_vs_raw_us_per_tensor": pair["donate_buffer, kept"]["vs_raw"][1],
         "kept_poison_us_per_tensor": med["donate_buffer, kept"]["poison_donors"] * per,
         # ... and wall clock, end to end (noisier on a shared machine).
         "wall_vs_raw_us_per_tensor": (d["full_wall"] - raw["full_wall"]) * per,
@@ -239,16 +241,7 @@ def main():
         # Small sizes are quick: more rounds, for about the same run time.
         rounds = max(args.rounds, args.rounds * 3000 // n)
         res = C.run_child(__file__, [n, rounds, args.block])
-        res["derived"] = derive(n, res["median_s"], res["mean_gc_s"])
-        # The headline numbers: paired within rounds, which a drifting
-        # machine disturbs less than a difference of two medians.
-        pair = res["paired_us_per_tensor"]
-        res["derived"].update({
-            "added_vs_raw_us_per_tensor": pair["donate_buffer"]["vs_raw"][1],
-            "added_vs_plain_us_per_tensor": pair["donate_buffer"]["vs_plain"][1],
-            "donate_list_added_vs_raw_us_per_tensor": pair["donate(list)"]["vs_raw"][1],
-            "kept_added_vs_raw_us_per_tensor": pair["donate_buffer, kept"]["vs_raw"][1],
-        })
+        res["derived"] = derive(n, res["median_s"], res["mean_gc_s"], res["paired_us_per_tensor"])
         runs.append(res)
     machine["load_avg_1m_end"] = round(os.getloadavg()[0], 2)
 
