@@ -514,11 +514,16 @@ bool ResolveWhere(PyObject* where, FilePtr* file, int* line) {
   return false;
 }
 
-// Tags t's TensorImpl with `record` (record_tag.h).  0 ok, -1 error.
+// Tags t's TensorImpl with `record` (record_tag.h).  0 ok, -1 error (a
+// TypeError if `t` is no torch tensor or torch refused the tag).
 int TagTensor(PyObject* t, const RecordPtr& record) {
   uintptr_t impl = 0;
   if (!ImplAddress(t, &impl)) return -1;
-  if (impl == 0 || !TagRecord(impl, record)) {
+  if (impl == 0) {
+    PyErr_SetString(PyExc_TypeError, "expected a torch.Tensor");
+    return -1;
+  }
+  if (!TagRecord(impl, record)) {
     PyErr_SetString(PyExc_TypeError, "cannot tag this tensor with its donation record");
     return -1;
   }
@@ -869,7 +874,6 @@ void PoisonDonors(py::list donors) {
 
 // poison.py's access to the record tag of a tensor (record_tag.h).
 void TagRecordOf(py::handle t, py::handle record) {
-  if (!IsTensor(t.ptr())) throw py::type_error("expected a torch.Tensor");
   Check(TagTensor(t.ptr(), RecordArg(record.ptr())) == 0);
 }
 

@@ -121,6 +121,13 @@ def test_shallow_copies_of_a_tagged_tensor_carry_no_record(consumed_record):
     assert _C.tagged_record(t) is None
 
 
+def test_only_a_tensor_can_carry_a_record(consumed_record):
+    with pytest.raises(TypeError, match="expected a torch.Tensor"):
+        _C.tag_record([1.0, 2.0], consumed_record)
+    assert _C.tagged_record([1.0, 2.0]) is None
+    _C.untag_record([1.0, 2.0])  # nothing to remove: no error
+
+
 def test_poisoning_allocates_nothing_the_garbage_collector_counts(consumed_record):
     # A __dict__ per poisoned tensor (our first design) doubled a training
     # loop's young-generation collections; gc.get_count()[0] counts them.
