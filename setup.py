@@ -3,6 +3,7 @@
 Build without isolation so the build uses the installed pybind11 and torch:
     pip install --no-build-isolation -e .
 """
+import glob
 import os
 
 import torch
@@ -20,7 +21,7 @@ CXX11_ABI = int(torch._C._GLIBCXX_USE_CXX11_ABI)
 
 ext = Pybind11Extension(
     "torch_xla_donate._C",
-    sources=["csrc/ledger.cpp", "csrc/module.cpp", "csrc/record_tag.cpp", "csrc/tensor_facts.cpp"],
+    sources=sorted(glob.glob("csrc/*.cpp")),
     include_dirs=["csrc"],
     extra_compile_args=["-idirafter", TORCH_INCLUDE, f"-D_GLIBCXX_USE_CXX11_ABI={CXX11_ABI}"],
     library_dirs=[TORCH_LIB],

@@ -18,6 +18,16 @@ const char* VerdictName(Verdict v) {
   return "unknown";
 }
 
+const char* ViaName(Via via) {
+  switch (via) {
+    case Via::kDonateBuffer: return "donate_buffer()";
+    case Via::kDonate: return "donate()";
+    case Via::kDonating: return "a donating() function";
+    case Via::kGraphOp: return "torch.ops.xla.dynamo_set_buffer_donor_()";
+  }
+  return "donate_buffer()";
+}
+
 std::string Record::ShapeString() const {
   std::string s = dtype + "[";
   for (size_t i = 0; i < shape.size(); ++i) {
@@ -29,7 +39,7 @@ std::string Record::ShapeString() const {
 
 RecordPtr Ledger::Mark(py::object tensor, FilePtr file, int line,
                        std::vector<int64_t> shape, std::string dtype,
-                       int64_t nbytes) {
+                       int64_t nbytes, Via via) {
   std::lock_guard<std::mutex> lock(mu_);
   PyObject* key = tensor.ptr();
   if (index_.Find(key)) return nullptr;
@@ -40,6 +50,7 @@ RecordPtr Ledger::Mark(py::object tensor, FilePtr file, int line,
   record->shape = std::move(shape);
   record->dtype = std::move(dtype);
   record->nbytes = nbytes;
+  record->via = via;
   index_.Set(key, marks_.size());
   marks_.push_back(Mark_{std::move(tensor), record});
   return record;
@@ -97,15 +108,34 @@ void Ledger::CompactLocked() {
 }
 
 int64_t Ledger::BeginStep(std::vector<py::object>* tensors,
-                          std::vector<RecordPtr>* records) {
+                          std::vector<RecordPtr>* records,
+                          const std::vector<PyObject*>* only) {
   std::vector<Mark_> marks;
   int64_t step;
   {
     std::lock_guard<std::mutex> lock(mu_);
     step = ++step_;
-    marks.swap(marks_);
-    marks_.reserve(marks.size());  // the next step likely marks as many
-    index_.Clear();
+    if (only == nullptr) {
+      marks.swap(marks_);
+      marks_.reserve(marks.size());  // the next step likely marks as many
+      index_.Clear();
+    } else {
+      // Take the listed marks out, leaving tombstones (as Unmark does).
+      marks.reserve(only->size());
+      for (PyObject* key : *only) {
+        const size_t* found = index_.Find(key);
+        if (!found) continue;
+        size_t slot = *found;
+        index_.Erase(key);
+        marks.push_back(std::move(marks_[slot]));
+        marks_[slot] = Mark_{};
+      }
+      if (index_.size() == 0) {
+        marks_.clear();
+      } else if (marks_.size() > 64 && index_.size() < marks_.size() / 2) {
+        CompactLocked();
+      }
+    }
     StepStats stats;
     stats.step = step;
     for (auto& m : marks) {

@@ -37,6 +37,18 @@ enum class Verdict : int {
 
 const char* VerdictName(Verdict v);
 
+// Which call marked a tensor: error messages name it ("donated by donate()").
+enum class Via : int {
+  kDonateBuffer = 0,  // donate_buffer(t), or torch_xla._XLAC.donate_buffer(t)
+  kDonate,            // donate(tree)
+  kDonating,          // a function wrapped with donating(...)
+  kGraphOp,           // torch.ops.xla.dynamo_set_buffer_donor_ in a compiled graph
+};
+constexpr int kViaCount = static_cast<int>(Via::kGraphOp) + 1;
+
+// "donate_buffer()", "donate()", ...
+const char* ViaName(Via via);
+
 // A file name shared by every record made from the same call site: a loop
 // that donates thousands of tensors from one line copies no string.
 using FilePtr = std::shared_ptr<const std::string>;
@@ -52,6 +64,7 @@ struct Record {
   std::string dtype;  // short XLA-style name: f32, bf16, s64, pred, ...
   int64_t nbytes = 0;
   Verdict verdict = Verdict::kMarked;
+  Via via = Via::kDonateBuffer;
 
   // "f32[4,4]", the spelling XLA and JAX use in their messages.
   std::string ShapeString() const;
@@ -84,7 +97,7 @@ class Ledger {
   // marked: marking twice before a step counts once.
   RecordPtr Mark(py::object tensor, FilePtr file, int line,
                  std::vector<int64_t> shape, std::string dtype,
-                 int64_t nbytes);
+                 int64_t nbytes, Via via = Via::kDonateBuffer);
 
   // Removes a pending mark; returns its record (verdict kCancelled) or
   // nullptr when the tensor was not marked.
@@ -95,9 +108,13 @@ class Ledger {
   size_t MarkedCount() const;
 
   // Commits every pending mark to a new step and returns them in marking
-  // order.  The ledger keeps no reference to the tensors afterwards.
+  // order.  The ledger keeps no reference to the tensors afterwards.  With
+  // `only`, commits just the marks of those tensors (an execution that sees
+  // part of the marks: one device's barrier, one compiled graph's inputs);
+  // the others stay marked, in their order.
   int64_t BeginStep(std::vector<py::object>* tensors,
-                    std::vector<RecordPtr>* records);
+                    std::vector<RecordPtr>* records,
+                    const std::vector<PyObject*>* only = nullptr);
 
   // Records the final verdict of one donation of a committed step.
   void Settle(const RecordPtr& record, Verdict verdict);

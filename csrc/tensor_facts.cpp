@@ -37,4 +37,20 @@ bool ReadTensorFacts(uintptr_t address, TensorFacts* out, bool with_sizes) {
   }
 }
 
+uintptr_t StorageAddress(uintptr_t address) {
+  auto* impl = reinterpret_cast<c10::TensorImpl*>(address);
+  const c10::Storage& storage = impl->unsafe_storage();
+  return storage ? reinterpret_cast<uintptr_t>(storage.unsafeGetStorageImpl()) : 0;
+}
+
+bool SetPythonDispatch(uintptr_t address, bool on) {
+  auto* impl = reinterpret_cast<c10::TensorImpl*>(address);
+  try {
+    impl->set_python_dispatch(on);
+    return true;
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
 }  // namespace torch_xla_donate

@@ -37,4 +37,15 @@ struct TensorFacts {
 // `with_sizes`, `sizes` stays empty: reading them asks the XLA tensor.
 bool ReadTensorFacts(uintptr_t impl, TensorFacts* out, bool with_sizes = true);
 
+// The address of the c10::StorageImpl behind the tensor at `impl` (0: none).
+// Two tensors share a storage (views, t.detach(), nn.Parameter(t)) exactly
+// when these are equal.
+uintptr_t StorageAddress(uintptr_t impl);
+
+// Turns c10's Python dispatch key of the TensorImpl at `impl` on or off:
+// with it, every operator that reaches this TensorImpl calls the
+// `__torch_dispatch__` of its Python object's class (see poison.py).
+// False if torch raised.
+bool SetPythonDispatch(uintptr_t impl, bool on);
+
 }  // namespace torch_xla_donate

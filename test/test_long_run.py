@@ -29,7 +29,7 @@ import torch_xla
 import torch_xla.debug.metrics as met
 
 import torch_xla_donate as tdx
-from torch_xla_donate import _C, report, step_hook
+from torch_xla_donate import _C, report, step_hook, verdicts
 from helpers import materialize
 
 STEPS = int(os.environ.get("TDX_LONG_RUN_STEPS", 10_000))
@@ -93,7 +93,7 @@ def test_ten_thousand_donating_steps_stay_flat(dev, request):
                 old_refs.append(weakref.ref(old))
             del old
             # The ledger never holds more than this step's marks and open verdicts.
-            assert _C.marked_count() == 0 and len(step_hook._in_flight) <= 2
+            assert _C.marked_count() == 0 and verdicts.in_flight_count() <= 2
             if n == WARMUP:
                 warm_compiles = _compiles()
             if n % SAMPLE_EVERY == 0:
@@ -111,7 +111,7 @@ def test_ten_thousand_donating_steps_stay_flat(dev, request):
     assert delta == {"donated": STEPS + STEPS // 10, "consumed": STEPS, "unused": STEPS // 10, "failed": 0}
     assert _C.step_stats(_C.current_step() - _C.HISTORY_STEPS - 5) is None
     assert _C.step_stats()["step"] == _C.current_step()
-    assert step_hook._in_flight == []
+    assert verdicts.in_flight_count() == 0
     # Old states are poisoned garbage: nothing holds them.
     assert all(ref() is None for ref in old_refs)
     # Compiles: the few graphs of the warm-up, reused ever after.

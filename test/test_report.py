@@ -9,7 +9,7 @@ import torch_xla
 import torch_xla.debug.metrics as met
 
 import torch_xla_donate as tdx
-from torch_xla_donate import _C, report, step_hook
+from torch_xla_donate import _C, executions, report, step_hook
 from helpers import buffer_ptr, materialize, run_python
 
 
@@ -80,7 +80,8 @@ def test_donations_of_a_failed_step_count_as_failed(dev, monkeypatch):
     def failing_barrier(*args, **kwargs):
         raise RuntimeError("step failed (simulated)")
 
-    monkeypatch.setattr(step_hook, "_real_step_marker", failing_barrier)
+    monkeypatch.setattr(torch_xla._XLAC, "_xla_step_marker",
+                        executions.barrier_trampoline(failing_barrier))
     with pytest.raises(RuntimeError, match="simulated"):
         torch_xla.sync(wait=True)
     monkeypatch.undo()

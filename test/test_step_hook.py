@@ -10,6 +10,7 @@ import torch_xla.core.xla_model as xm
 import torch_xla.distributed.parallel_loader as pl
 
 import torch_xla_donate as tdx
+import torch_xla_donate.verdicts
 from torch_xla_donate import _C, _xla
 from helpers import buffer_ptr, materialize
 
@@ -240,7 +241,7 @@ def test_donors_the_user_dropped_are_judged_but_not_poisoned(dev):
     del dropped
     torch_xla.sync(wait=False)
     step = _C.current_step()
-    in_flight = [t for t, _ in tdx.step_hook._in_flight]
+    in_flight = [t for t, _ in tdx.verdicts._in_flight]
     assert len(in_flight) == 2 and tdx.poison.is_poisoned(kept)
     assert [tdx.poison.is_poisoned(t) for t in in_flight if t is not kept] == [False]
     del in_flight
@@ -329,7 +330,7 @@ def test_open_verdicts_are_not_tracked_by_the_garbage_collector(dev):
         tdx.donate_buffer(s)
     states = [s * 2 for s in states]
     torch_xla.sync(wait=False)
-    entries = tdx.step_hook._in_flight
+    entries = tdx.verdicts._in_flight
     assert len(entries) == 50
     assert not any(gc.is_tracked(e) for e in entries)
     t, record = entries[0]

@@ -14,9 +14,28 @@ from .dtypes import xla_dtype_name
 
 _XLAC = torch_xla._XLAC
 
+# torch_xla's own functions, taken before the plugin puts its trampolines in
+# their place (executions.py): what the plugin itself calls.
+_REAL = {
+    name: getattr(_XLAC, name)
+    for name in ("_set_buffer_donation", "_xla_step_marker", "_xla_sync_multi",
+                 "_xla_sync_live_tensors", "_xla_wait_device_ops", "_get_graph_hash",
+                 "_xla_warm_up_cache")
+    if hasattr(_XLAC, name)
+}
+
+
+def real(name: str):
+    """torch_xla's own ``_XLAC.<name>``, whatever stands in its place now."""
+    return _REAL[name]
+
 
 def is_xla(t: torch.Tensor) -> bool:
     return t.device.type == "xla"
+
+
+def is_xla_tensor(obj) -> bool:
+    return isinstance(obj, torch.Tensor) and obj.device.type == "xla"
 
 
 def has_pending_ir(tensors) -> list:
@@ -33,8 +52,35 @@ def set_donor(t: torch.Tensor, donate: bool) -> bool:
 
     Returns False, changing nothing, when ``t`` is not plain device data: it
     has pending IR, or it is a view (its IR is still an ``aten::view``).
+    Only commit.py arms flags, inside an execution it commits.
     """
-    return _XLAC._set_buffer_donation(t, donate)
+    return _REAL["_set_buffer_donation"](t, donate)
+
+
+def donor_flag(t: torch.Tensor) -> bool:
+    """torch_xla's buffer-donor flag on the device data behind ``t``."""
+    return _XLAC._get_buffer_donation(t)
+
+
+def tensor_id(t: torch.Tensor) -> int:
+    """torch_xla's unique id of the XLA tensor behind ``t`` (increasing)."""
+    return _XLAC._xla_get_tensor_id(t)
+
+
+def buffer_handles(tensors) -> list:
+    """The device-buffer handle behind each tensor: equal handles, one buffer
+    (torch_xla backs copies made by ``copy_``, ``load_state_dict``,
+    ``t.to(device, copy=True)``, ... with their source's buffer)."""
+    return _XLAC._get_tensors_handle(list(tensors))
+
+
+def buffer_owner_ids(tensors) -> list:
+    """For each tensor without pending IR: the tensor id torch_xla files its
+    buffer under (the last tensor that took the buffer as its own; a copy
+    taking its source's buffer at a barrier becomes its owner).  Two tensors
+    sharing a buffer give one entry: the list can be shorter."""
+    tensors = list(tensors)
+    return _XLAC._get_tensors_xla_device_data_node(tensors, tensors)[0]
 
 
 def buffer_deleted(t: torch.Tensor) -> bool:
@@ -61,10 +107,11 @@ def wait_device_ops(device=None) -> None:
     thread, and a step of another device may sit in a collective until its
     thread reaches its next barrier; waiting for it would deadlock.
     """
+    wait = _XLAC._xla_wait_device_ops  # through the plugin's trampoline: failures.py listens
     if device is None or local_device_count() == 1:
-        _XLAC._xla_wait_device_ops([])
+        wait([])
     else:
-        _XLAC._xla_wait_device_ops(_XLAC._xla_real_devices([str(device)]))
+        wait(_XLAC._xla_real_devices([str(device)]))
 
 
 def spmd() -> bool:
@@ -142,7 +189,7 @@ def _dtype_info(dtype: torch.dtype):
 _C.bind(
     tensor_type=torch.Tensor,
     fast_types=(torch.Tensor, torch.nn.Parameter),
-    set_donor=_XLAC._set_buffer_donation,
+    set_donor=_REAL["_set_buffer_donation"],
     buffer_deleted=_XLAC._is_placecholder,
     need_materialization=_XLAC._check_tensor_need_materialization,
     storage_use_count=torch._C._storage_Use_Count,  # of t.untyped_storage()._cdata

@@ -20,11 +20,15 @@ import warnings
 
 import torch
 
-from . import _C, _xla, config, poison, step_hook
+from . import _C, _xla, config, ownership, poison
+from .hook_lock import lock
 from .dtypes import xla_dtype_name
 from .errors import DonatedBufferError, DonationDisabledWarning
 
 __all__ = ["donate_buffer", "undonate", "is_donated", "is_deleted"]
+
+# Which call marked a tensor (the ledger's Via, csrc/ledger.h): messages name it.
+VIA_DONATE_BUFFER, VIA_DONATE, VIA_DONATING, VIA_GRAPH_OP = range(4)
 
 
 def donate_buffer(tensor: torch.Tensor) -> None:
@@ -42,12 +46,13 @@ def donate_buffer(tensor: torch.Tensor) -> None:
         saved for backward by a live autograd graph, or is a 0-dim scalar.
       DonatedBufferError: it was donated already.
     """
-    # The common case is one native call (checks, donor flag, ledger entry;
-    # the "1" blames our caller's line): a plain tensor or parameter passing
-    # every check of ``_check_donatable``, 0-dim and autograd ones included,
-    # while donation is on and no barrier is running (see step_hook._HookLock).
-    # Anything unusual goes through ``_mark_checked``, which raises or warns
-    # precisely.
+    # The common case is one native call (checks and ledger entry; the "1"
+    # blames our caller's line): a plain tensor or parameter passing every
+    # check of ``_check_donatable``, 0-dim and autograd ones included, while
+    # donation is on and no commit is running (see hook_lock.py).  Anything
+    # unusual goes through ``_mark_checked``, which raises or warns precisely.
+    # Marking only records: torch_xla's donor flag is set inside the
+    # execution that commits the mark (commit.py).
     if _C.try_mark(tensor, 1):
         return
     _check_tensor("donate_buffer", tensor)
@@ -68,19 +73,20 @@ _SCALARS = (
 )
 
 
-def _mark(tensor, where) -> None:
-    """Marks one tensor; ``where`` is the (file, line) blamed in messages.
+def _mark(tensor, where, via=VIA_DONATE_BUFFER) -> None:
+    """Marks one tensor; ``where`` is the (file, line) blamed in messages and
+    ``via`` the call messages name (``VIA_*``).
 
     Split from ``donate_buffer`` so helpers that donate on a user's behalf
     (pytrees, ``donating``) blame the user's line, not their own.  Unlike
     ``donate_buffer`` it skips a 0-dim tensor quietly (see ``_SCALARS``).
     """
-    if _C.try_mark(tensor, where):  # see donate_buffer
+    if _C.try_mark(tensor, where, via):  # see donate_buffer
         return
-    _mark_checked(tensor, where)
+    _mark_checked(tensor, where, via)
 
 
-def _mark_checked(tensor, where) -> None:
+def _mark_checked(tensor, where, via=VIA_DONATE_BUFFER) -> None:
     """``_mark`` step by step: every check with its own message, the off
     switches, then the mark.  ``_C.try_mark`` is the same path in one call
     for the common case and leaves everything else to this function."""
@@ -101,28 +107,13 @@ def _mark_checked(tensor, where) -> None:
         return
     if tensor.dim() == 0:
         return  # never donated, see _SCALARS; donate_buffer refused it already
-    # A mark is two things: torch_xla's donor flag and the ledger entry.  A
-    # barrier in another thread must see both or neither: between them it
-    # would donate a buffer the ledger does not know (nothing poisoned), or
-    # commit an entry whose flag is not set yet.  Barriers hold this lock.
-    with step_hook._lock:
+    # A commit in another thread must see the mark whole or not at all.
+    with lock:
         if _C.is_marked(tensor):
             return
-        torch._check_value(
-            _xla.set_donor(tensor, True),
-            lambda: f"donate_buffer: torch_xla refused to donate {_describe(tensor)}: "
-            "it is not plain device data. Materialize a copy first: "
-            "t = t.clone(); xm.mark_step().",
-        )
         file, line = where
-        _C.mark(
-            tensor,
-            file,
-            line,
-            tuple(tensor.shape),
-            xla_dtype_name(tensor.dtype),
-            tensor.nbytes,
-        )
+        _C.mark(tensor, file, line, tuple(tensor.shape), xla_dtype_name(tensor.dtype),
+                tensor.nbytes, via)
 
 
 def _check_donatable(tensor) -> None:
@@ -181,7 +172,7 @@ def _wraps_others(t) -> bool:
     return torch._C._dispatch_keys(t).has(torch._C.DispatchKey.Python)
 
 
-_held_by_autograd = step_hook.held_by_autograd
+_held_by_autograd = ownership.held_by_autograd
 
 
 def _check_tensor(name, tensor) -> None:
@@ -209,11 +200,8 @@ def undonate(tensor: torch.Tensor) -> bool:
     _check_tensor("undonate", tensor)
     if poison.is_poisoned(tensor) and poison._settled_consumed(tensor):
         raise poison.donated_error(tensor)
-    with step_hook._lock:  # entry and flag go together; see _mark_checked
-        if _C.unmark(tensor) is None:
-            return False
-        _xla.set_donor(tensor, False)
-    return True
+    with lock:  # never in the middle of a commit
+        return _C.unmark(tensor) is not None
 
 
 def is_donated(tensor: torch.Tensor) -> bool:

@@ -54,7 +54,8 @@ import operator
 
 import torch
 
-from . import pytree
+from . import api, pytree
+from .sites import user_site
 
 __all__ = ["donating"]
 
@@ -93,7 +94,7 @@ def donating(fn=None, *, donate_argnums=(), donate_argnames=()):
     def donating_wrapper(*args, **kwargs):
         trees = selection.arguments(args, kwargs)
         if trees:
-            pytree._donate_named(trees, pytree._user_site())
+            pytree._donate_named(trees, user_site(), api.VIA_DONATING)
         return fn(*args, **kwargs)
 
     donating_wrapper.donate_argnums = selection.argnums

@@ -2,21 +2,34 @@
 
 After a step consumed a tensor's buffer, torch_xla still lets Python touch the
 tensor and fails much later with a message about async operations or deleted
-buffers.  We instead swap the tensor's ``__class__`` for a subclass whose
-``__torch_function__`` raises ``DonatedBufferError`` right at the line that
-touched it, naming what was donated, where and at which step.
+buffers.  A poisoned tensor instead raises ``DonatedBufferError`` right at the
+line that touched it, naming what was donated, by which call, where and at
+which step::
 
-Why ``__class__`` and not ``torch.utils.swap_tensors``: swapping refuses when
-a weakref or a view of the tensor is alive, and it costs ~50x more.  Changing
-the class works on the very object the user holds, whoever else refers to it,
-and keeps shape, dtype and device readable.
+    >>> old = params; tdx.donate_buffer(params)          # doctest: +SKIP
+    >>> params = params - lr * grads; torch_xla.sync()   # doctest: +SKIP
+    >>> old + 1                                          # doctest: +SKIP
+    DonatedBufferError: This tensor (f32[4096,4096], 67108864 bytes) was ...
+
+How: every operator reaches torch_xla's tensor through c10's dispatcher.
+Poisoning turns on c10's Python dispatch key of that tensor (for torch_xla's
+default functional tensors, the XLA tensor the functional wrapper holds) and
+gives its Python object a class whose ``__torch_dispatch__`` raises.  So the
+error comes from the dispatcher itself, whoever calls the operator: Python
+code, ``torch.func.vmap``/``grad``, ``torch.jit.trace``, autograd's backward,
+``Tensor.set_``, ``Tensor._make_subclass``.  The tensor the user holds also
+takes a twin of its class (``nn.Parameter`` stays a Parameter, a user
+subclass keeps its methods) whose ``repr`` says plainly that it was donated.
+Metadata (shape, dtype, device, ``requires_grad``) stays readable: it is no
+operator.  Code that hands the tensor straight to torch_xla's C++
+(``torch_xla._XLAC.*``) is not seen and gets torch_xla's own error.
 
 A poisoned tensor is in one of two states:
 
 * *in flight*: the step was dispatched asynchronously and it is not yet known
   whether XLA took the buffer.  The first use settles the verdict (waiting for
   the device if need be): a tensor whose donation went unused gets its class
-  back and the operation simply runs.
+  and dispatch key back and the operator simply runs.
 * *consumed*: the buffer now holds a step output; every use raises.
 """
 import torch
@@ -26,34 +39,8 @@ from .errors import DonatedBufferError
 
 __all__ = ["poison", "unpoison", "is_poisoned", "donation_record", "donated_error"]
 
-# Reading these never touches the device buffer, so a donated tensor allows
-# them: code that only inspects shapes keeps working.
-_METADATA_READS = frozenset(
-    {
-        torch.Tensor.shape.__get__,
-        torch.Tensor.dtype.__get__,
-        torch.Tensor.device.__get__,
-        torch.Tensor.ndim.__get__,
-        torch.Tensor.layout.__get__,
-        torch.Tensor.requires_grad.__get__,
-        torch.Tensor.is_leaf.__get__,
-        torch.Tensor.nbytes.__get__,
-        torch.Tensor.itemsize.__get__,
-        torch.Tensor.grad.__get__,
-        torch.Tensor.grad.__set__,
-        torch.Tensor.is_xla.__get__,
-        torch.Tensor.dim,
-        torch.Tensor.size,
-        torch.Tensor.numel,
-        torch.Tensor.element_size,
-        torch.Tensor.__len__,
-        torch.Tensor.__hash__,
-        # The TensorImpl's address: how _C finds a tensor's record tag.
-        torch.Tensor._cdata.__get__,
-    }
-)
-
-_settle_hook = None  # set by step_hook: settles an in-flight tensor's verdict
+# Set by verdicts.py: settles an in-flight tensor's verdict (a use is waiting).
+_settle_hook = None
 
 
 class _DonatedTensor:
@@ -61,16 +48,16 @@ class _DonatedTensor:
 
     __slots__ = ()
 
+    # The dispatcher is the one check path; Python-level calls reach it too.
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
     @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _METADATA_READS:
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **kwargs)
         for t in _donated_in(args, kwargs):
-            if is_poisoned(t) and _settled_consumed(t):
+            if _settled_consumed(t):
                 raise donated_error(t)
-        # Every donated argument turned out unused and got its class back.
+        # Every donated argument turned out unused and lost its poison.
         return func(*args, **kwargs)
 
     def __repr__(self):
@@ -79,7 +66,8 @@ class _DonatedTensor:
         record = donation_record(self)
         return (
             f"<donated XLA tensor {record.shape_string}: its buffer was reused by "
-            f"step {record.step} (donate_buffer at {record.where}); it has no value>"
+            f"step {record.step} ({record.via} at {record.where}); "
+            f"it has no value>"
         )
 
     __str__ = __repr__
@@ -90,7 +78,7 @@ _poison_classes = {}
 
 def _poison_class_for(cls: type) -> type:
     """The donated twin of ``cls``: ``nn.Parameter`` stays a Parameter, a user
-    subclass keeps its methods (only tensor ops are intercepted)."""
+    subclass keeps its methods (only tensor operators are refused)."""
     poisoned = _poison_classes.get(cls)
     if poisoned is None:
         poisoned = type(f"Donated{cls.__name__}", (_DonatedTensor, cls), {"_original_class": cls})
@@ -98,23 +86,46 @@ def _poison_class_for(cls: type) -> type:
     return poisoned
 
 
-def poison(t: torch.Tensor, record) -> None:
-    """Makes ``t`` refuse use; ``record`` is its ledger entry (in flight or consumed).
+def _inner(t):
+    """The tensor torch_xla computes with: the XLA tensor a functional
+    wrapper holds (torch_xla's default), else ``t`` itself.
 
-    The record rides on ``t``'s TensorImpl, not in ``t.__dict__``: a dict per
-    donated tensor and step would double the garbage collector's work in a
-    training loop (see csrc/record_tag.h).
+    >>> _inner(torch.ones(1)).shape
+    torch.Size([1])
     """
-    _C.tag_record(t, record)
-    if not isinstance(t, _DonatedTensor):
-        t.__class__ = _poison_class_for(type(t))
+    return torch._from_functional_tensor(t) if torch._is_functional_tensor(t) else t
+
+
+def poison(t: torch.Tensor, record) -> None:
+    """Makes ``t`` refuse use; ``record`` is its ledger entry (in flight or
+    consumed).
+
+    The record rides on the TensorImpls (csrc/record_tag.h), not in
+    ``t.__dict__``: a dict per donated tensor and step would double the
+    garbage collector's work in a training loop.  The step hook poisons a
+    whole step's donors in one native call (``_C.poison_donors``), which does
+    the same as this, tensor by tensor.
+    """
+    for x in _both(t):
+        _C.tag_record(x, record)
+        if not isinstance(x, _DonatedTensor):
+            x.__class__ = _poison_class_for(type(x))
+    _C.set_python_dispatch(_inner(t), True)
 
 
 def unpoison(t: torch.Tensor) -> None:
-    """Gives ``t`` back its own class: its donation went unused."""
-    if isinstance(t, _DonatedTensor):
-        t.__class__ = type(t)._original_class
-    _C.untag_record(t)
+    """Gives ``t`` back its class and dispatch key: its donation went unused."""
+    inner = _inner(t)
+    _C.set_python_dispatch(inner, False)
+    for x in _both(t, inner):
+        if isinstance(x, _DonatedTensor):
+            x.__class__ = type(x)._original_class
+        _C.untag_record(x)
+
+
+def _both(t, inner=None):
+    inner = _inner(t) if inner is None else inner
+    return (t,) if inner is t else (t, inner)
 
 
 def is_poisoned(t) -> bool:
@@ -122,31 +133,53 @@ def is_poisoned(t) -> bool:
 
 
 def donation_record(t):
-    """The ledger record of a poisoned tensor, or None."""
-    return _C.tagged_record(t) if isinstance(t, torch.Tensor) else None
+    """The ledger record of a poisoned tensor, or None.
+
+    Read from the tensor torch_xla sees: ``t.set_(s)`` and ``t.data = s``
+    give a donated tensor a new value (and a new inner tensor), and with it
+    the tensor is no longer donated.
+    """
+    if not isinstance(t, torch.Tensor):
+        return None
+    inner = _inner(t)
+    record = _C.tagged_record(inner)
+    if record is None and inner is not t and _C.tagged_record(t) is not None:
+        return None  # a new value: the wrapper's tag is stale
+    return record
 
 
 def _settled_consumed(t) -> bool:
-    """Settles an in-flight tensor if needed; True if its buffer is gone."""
+    """Settles an in-flight tensor if needed; True if its buffer is gone.
+
+    A tensor whose donation turned out unused loses its poison here, if it
+    still has it: a use through the tensor torch_xla sees (the functional
+    wrapper's inner tensor) settles the record, and the wrapper the user
+    holds follows at its next look.
+    """
     record = donation_record(t)
     if record is not None and record.verdict == _C.Verdict.IN_FLIGHT:
-        _settle_hook(t)
-    return is_poisoned(t)
+        _settle_hook(t, record)
+        record = donation_record(t)
+    if record is not None and record.verdict == _C.Verdict.CONSUMED:
+        return True
+    if is_poisoned(t):
+        unpoison(t)
+    return False
 
 
 def donated_error(t) -> DonatedBufferError:
     record = donation_record(t)
     return DonatedBufferError(
         f"This tensor ({record.shape_string}, {record.nbytes} bytes) was donated by "
-        f"donate_buffer() at {record.where}, and step {record.step} reused its buffer "
-        f"for an output, so its value is gone. Use the step's result instead, or, "
-        f"if you still need this tensor, do not donate it (undonate(t) cancels a "
+        f"{record.via} at {record.where}, and step {record.step} reused its "
+        f"buffer for an output, so its value is gone. Use the step's result instead, "
+        f"or, if you still need this tensor, do not donate it (undonate(t) cancels a "
         f"mark before the step)."
     )
 
 
 def _donated_in(args, kwargs):
-    """The poisoned tensors among an op's arguments, also inside lists
+    """The poisoned tensors among an operator's arguments, also inside lists
     (``torch.stack([a, t])``) and dicts."""
     found = []
     stack = [args, kwargs]
@@ -161,7 +194,4 @@ def _donated_in(args, kwargs):
     return found
 
 
-# The step hook poisons a whole step's donors in one native call
-# (``_C.poison_donors``), which does for each exactly what ``poison`` does:
-# the record tag, then the class from ``_poison_class_for``.
-_C.bind(donated_type=_DonatedTensor, poison_class_for=_poison_class_for)
+_C.bind(donated_type=_DonatedTensor, poison_class_for=_poison_class_for, inner_of=_inner)

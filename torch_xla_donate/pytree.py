@@ -42,13 +42,14 @@ Messages about the donation (unused buffers, use after donation) point at the
 line of user code that called ``donate`` (or a ``donating`` function), not at
 this module.
 """
-import sys
 import warnings
 
 import torch
 import torch.utils._pytree as pytree
 
-from . import _C, _xla, api, config, step_hook
+from . import _C, _xla, api, config
+from .hook_lock import lock
+from .sites import user_site, user_stacklevel
 from .errors import DonatedBufferError
 
 __all__ = ["donate"]
@@ -72,24 +73,25 @@ def donate(tree) -> int:
       ValueError, DonatedBufferError: a tensor of the tree cannot be donated;
         the message names its path, e.g. ``tree['layer1'][0]``.
     """
-    return _donate_named([(_root_label(tree), tree)], _user_site())
+    return _donate_named([(_root_label(tree), tree)], user_site(), api.VIA_DONATE)
 
 
-def _donate_named(named_trees, where) -> int:
+def _donate_named(named_trees, where, via) -> int:
     """Donates several trees at once, all or nothing.
 
     ``named_trees`` is a list of ``(label, tree)``; ``label`` starts every path
     in messages (``donating`` passes argument names, so an error reads
-    ``params['w']``).  ``where`` is the (file, line) blamed for the marks.
+    ``params['w']``).  ``where`` is the (file, line) blamed for the marks,
+    ``via`` the call messages name (``api.VIA_*``).
     """
-    marked = _donate_plain(named_trees, where)
+    marked = _donate_plain(named_trees, where, via)
     if marked >= 0:
         return marked
     leaves = _tensor_leaves(named_trees)
     for path, tensor in leaves:
         _checked(path, api._check_donatable, tensor)
     if leaves and not (config.enabled() and _xla.aliasing_enabled()):
-        _mark_while_switched_off(leaves, where)
+        _mark_while_switched_off(leaves, where, via)
         return 0
     # Checked: now mark.  A failure here is unexpected (torch_xla refusing a
     # tensor that passed every check); undo this call's marks so that the
@@ -98,7 +100,7 @@ def _donate_named(named_trees, where) -> int:
     try:
         for path, tensor in leaves:
             already = _C.is_marked(tensor)
-            _checked(path, api._mark, tensor, where)
+            _checked(path, api._mark, tensor, where, via)
             if not already and _C.is_marked(tensor):
                 newly_marked.append(tensor)
     except BaseException:
@@ -108,7 +110,7 @@ def _donate_named(named_trees, where) -> int:
     return sum(1 for _, tensor in leaves if _C.is_marked(tensor))
 
 
-def _donate_plain(named_trees, where) -> int:
+def _donate_plain(named_trees, where, via) -> int:
     """The common case of ``_donate_named`` in one native call; -1 if unusual.
 
     Why: with thousands of tensors per step, building a path string and
@@ -129,20 +131,20 @@ def _donate_plain(named_trees, where) -> int:
                 tensors[id(leaf)] = leaf
             elif isinstance(leaf, (torch.nn.Module, torch.optim.Optimizer)):
                 return -1
-    with step_hook._lock:  # flags and ledger entries together; see api._mark_checked
-        return _C.try_mark_all(list(tensors.values()), where)
+    with lock:  # never in the middle of a commit; see api._mark_checked
+        return _C.try_mark_all(list(tensors.values()), where, via)
 
 
-def _mark_while_switched_off(leaves, where) -> None:
+def _mark_while_switched_off(leaves, where, via) -> None:
     """Lets ``_mark`` give its once-per-reason ``DonationDisabledWarning``, but
     re-issued at the user's line: ``_mark`` aims it at ``donate_buffer``'s
     caller, which here is this module."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for path, tensor in leaves:
-            _checked(path, api._mark, tensor, where)
+            _checked(path, api._mark, tensor, where, via)
     for warning in caught:
-        warnings.warn(warning.message, warning.category, stacklevel=_user_stacklevel())
+        warnings.warn(warning.message, warning.category, stacklevel=user_stacklevel())
 
 
 def _checked(path, check, *args):
@@ -228,35 +230,3 @@ def _root_label(tree) -> str:
     if isinstance(tree, torch.optim.Optimizer):
         return "optimizer"
     return "tree"
-
-
-# Frames of these modules are never the user's line: the plugin itself,
-# torch_xla (torch_xla.compile calls the function it wraps) and the stdlib
-# wrappers that torch_xla.compile and functools.wraps put in between.
-_INTERNAL_MODULES = ("torch_xla_donate", "torch_xla", "contextlib", "functools")
-
-
-def _user_stacklevel() -> int:
-    """The ``stacklevel`` that makes a warning issued by the caller point at
-    the user's line."""
-    level, frame = 1, sys._getframe(1)
-    while frame is not None and _is_internal(frame):
-        level += 1
-        frame = frame.f_back
-    return level
-
-
-def _is_internal(frame) -> bool:
-    module = frame.f_globals.get("__name__", "")
-    return any(module == m or module.startswith(m + ".") for m in _INTERNAL_MODULES)
-
-
-def _user_site():
-    """(file, line) of the innermost frame outside the plugin and torch_xla:
-    the line messages about a donation should point at."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if not _is_internal(frame):
-            return frame.f_code.co_filename, frame.f_lineno
-        frame = frame.f_back
-    return "<unknown>", 0

@@ -43,7 +43,7 @@ import warnings
 from collections import Counter
 from typing import Optional, Tuple
 
-from . import _C, _xla, step_hook
+from . import _C, _xla, verdicts
 
 __all__ = [
     "StepReport",
@@ -331,6 +331,6 @@ def _configure_log(enabled: bool, stream=None) -> None:
         _logged.clear()
 
 
-if _on_settled not in step_hook.settled_listeners:
-    step_hook.settled_listeners.append(_on_settled)
+if _on_settled not in verdicts.settled_listeners:
+    verdicts.settled_listeners.append(_on_settled)
 _xla.call_before_metric_reads(_push_before_reading)

@@ -1,0 +1,352 @@
+// See hot_path.h.
+#include "hot_path.h"
+
+#include <pybind11/pybind11.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "call_site.h"
+#include "ledger.h"
+#include "py_types.h"
+#include "tensor_access.h"
+
+namespace py = pybind11;
+
+namespace torch_xla_donate {
+namespace {
+
+// -- When the fast path may mark -------------------------------------------
+//
+// TryMark marks without taking step_hook's lock: it runs entirely in C++
+// while holding the GIL and calls no Python code (only torch and torch_xla
+// builtins), so no other Python thread runs in between.  That alone is not
+// enough: another thread may hold the lock in the middle of a commit.  A mark
+// then must wait for the lock, so while any thread holds it (step_hook
+// counts them here) the fast path declines and api.py's slow path takes the
+// lock.  The fast path is also closed while donation is switched off: the
+// slow path warns then.
+int g_lock_holders = 0;
+bool g_fast_enabled = false;
+
+bool FastPathOpen() {
+  return g_lock_holders == 0 && g_fast_enabled && g_hooks.torch_bound() && g_hooks.poison_bound();
+}
+
+PyObject* FalseClearingErrors() {
+  PyErr_Clear();
+  Py_RETURN_FALSE;
+}
+
+// The checks of api._check_donatable that pass for an ordinary donation,
+// except the pending-IR and 0-dim ones.  Fills `facts`.  1 pass, 0 fail,
+// -1 error.
+int CommonChecks(PyObject* t, TensorFacts* facts) {
+  if (!IsPlainTensor(t)) return 0;
+  int r = Facts(t, facts);
+  if (r != 1) return r;
+  if (!facts->is_xla || facts->storage_use_count != 1) return 0;
+  if (facts->has_autograd_meta) {  // a view has autograd metadata
+    r = IsView(t);
+    if (r != 0) return r < 0 ? -1 : 0;
+  }
+  r = HeldByAutograd(t, *facts);
+  if (r != 0) return r < 0 ? -1 : 0;
+  return 1;
+}
+
+// A tensor that passed the checks, with what its ledger record needs.
+struct Candidate {
+  PyObject* tensor = nullptr;  // borrowed
+  std::vector<int64_t> shape;
+  std::string dtype;
+  int64_t nbytes = 0;
+};
+
+// The checks (plain XLA tensor, no view, no alias, not held by autograd,
+// ordinary sizes), changing nothing.  True with `c` filled; false, errors
+// cleared, when the Python path must decide.
+bool Prepare(PyObject* t, Candidate* c) {
+  TensorFacts facts;
+  if (CommonChecks(t, &facts) != 1 || Describe(t, facts, &c->shape, &c->dtype, &c->nbytes) != 1) {
+    PyErr_Clear();
+    return false;
+  }
+  c->tensor = t;
+  return true;
+}
+
+Via ViaArg(PyObject* const* args, Py_ssize_t nargs, Py_ssize_t i) {
+  if (nargs <= i) return Via::kDonateBuffer;
+  long v = PyLong_AsLong(args[i]);
+  if (v < 0 || v >= kViaCount) {
+    PyErr_Clear();
+    return Via::kDonateBuffer;
+  }
+  return static_cast<Via>(v);
+}
+
+void MarkCandidate(Candidate&& c, const FilePtr& file, int line, Via via) {
+  GlobalLedger().Mark(py::reinterpret_borrow<py::object>(c.tensor), file, line,
+                      std::move(c.shape), std::move(c.dtype), c.nbytes, via);
+}
+
+// try_mark(tensor, where, via=0) -> bool
+//
+// The common case of api._mark in one call: True once `tensor` is marked.
+// False, having changed nothing, whenever anything is unusual (not a plain
+// materialized XLA tensor, views alive, pending computation, already marked,
+// donation switched off, a probe raised): the Python path then redoes
+// everything and gives the precise error or warning.
+PyObject* TryMark(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs < 2 || nargs > 3) {
+    PyErr_SetString(PyExc_TypeError, "try_mark(tensor, where, via=0) takes 2 or 3 arguments");
+    return nullptr;
+  }
+  PyObject* t = args[0];
+  if (!FastPathOpen()) Py_RETURN_FALSE;
+  Candidate c;
+  if (!Prepare(t, &c)) Py_RETURN_FALSE;
+  if (c.shape.empty()) Py_RETURN_FALSE;  // 0-dim: api refuses it, with a reason
+  if (GlobalLedger().IsMarked(py::handle(t))) Py_RETURN_FALSE;
+  FilePtr file;
+  int line = 0;
+  if (!ResolveWhere(args[1], &file, &line)) return nullptr;  // caller's bug
+  if (HasPendingIr(t) != 0) return FalseClearingErrors();
+  MarkCandidate(std::move(c), file, line, ViaArg(args, nargs, 2));
+  Py_RETURN_TRUE;
+}
+
+// is_donatable(tensor) -> bool: True if api._check_donatable would pass.
+// False means "ask the Python checks", which raise the precise error.
+PyObject* IsDonatable(PyObject*, PyObject* t) {
+  if (!g_hooks.torch_bound()) Py_RETURN_FALSE;
+  TensorFacts facts;
+  if (CommonChecks(t, &facts) != 1) return FalseClearingErrors();
+  if (facts.symbolic_sizes || facts.sizes.empty()) Py_RETURN_FALSE;  // 0-dim: api refuses it
+  if (HasPendingIr(t) != 0) return FalseClearingErrors();
+  Py_RETURN_TRUE;
+}
+
+// try_mark_all(tensors, where, via=0) -> int
+//
+// donate(tree)'s common case in one call, all or nothing: every tensor of
+// the (deduplicated) list is a plain materialized XLA tensor that passes
+// try_mark's checks, or already marked, or a materialized 0-dim scalar
+// (skipped: donate() never donates scalars).  Then all are marked and the
+// number of them now marked (scalars excluded) is returned.  Otherwise -1,
+// having changed nothing: the Python path redoes the work and names the
+// tensor at fault by its path.
+PyObject* TryMarkAll(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs < 2 || nargs > 3 || !PyList_Check(args[0])) {
+    PyErr_SetString(PyExc_TypeError, "try_mark_all(list_of_tensors, where, via=0)");
+    return nullptr;
+  }
+  // Called with step_hook's lock held, so only the switches count here.
+  if (!g_hooks.torch_bound() || !g_hooks.poison_bound() || !g_fast_enabled)
+    return PyLong_FromLong(-1);
+  FilePtr file;
+  int line = 0;
+  if (!ResolveWhere(args[1], &file, &line)) return nullptr;  // caller's bug
+  std::vector<Candidate> todo;
+  long already = 0;
+  PyObject* list = args[0];
+  py::list probe;  // everything checked for pending IR, in one torch_xla call
+  for (Py_ssize_t i = 0, n = PyList_GET_SIZE(list); i < n; ++i) {
+    PyObject* t = PyList_GET_ITEM(list, i);
+    if (GlobalLedger().IsMarked(py::handle(t))) {
+      ++already;
+      continue;
+    }
+    Candidate c;
+    if (!Prepare(t, &c)) return PyLong_FromLong(-1);
+    probe.append(py::handle(t));
+    if (!c.shape.empty()) todo.push_back(std::move(c));  // a scalar is skipped
+  }
+  if (probe.size() > 0) {
+    PyObject* flags = PyObject_CallOneArg(g_hooks.need_materialization, probe.ptr());
+    if (!flags) {
+      PyErr_Clear();
+      return PyLong_FromLong(-1);
+    }
+    int any = 0;
+    for (Py_ssize_t i = 0, n = PySequence_Size(flags); i < n && any == 0; ++i) {
+      PyObject* f = PySequence_GetItem(flags, i);
+      any = f ? PyObject_IsTrue(f) : -1;
+      Py_XDECREF(f);
+    }
+    Py_DECREF(flags);
+    if (any != 0) {
+      PyErr_Clear();
+      return PyLong_FromLong(-1);
+    }
+  }
+  const Via via = ViaArg(args, nargs, 2);
+  long marked = already + static_cast<long>(todo.size());
+  for (auto& c : todo) MarkCandidate(std::move(c), file, line, via);
+  return PyLong_FromLong(marked);
+}
+
+PyMethodDef kFastMethods[] = {
+    {"try_mark", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(TryMark)),
+     METH_FASTCALL,
+     "try_mark(tensor, where, via=0) -> bool\n\nMarks a plain materialized XLA tensor in "
+     "one call; False (nothing changed) when the Python path must decide."},
+    {"try_mark_all", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(TryMarkAll)),
+     METH_FASTCALL,
+     "try_mark_all(tensors, where, via=0) -> int\n\nMarks a list of distinct plain "
+     "materialized XLA tensors, all or nothing (0-dim ones skipped); -1 (nothing "
+     "changed) when the Python path must decide."},
+    {"is_donatable", IsDonatable, METH_O,
+     "is_donatable(tensor) -> bool\n\nTrue when every check of donate_buffer "
+     "passes; False when the Python checks must say why not."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+// -- Batch helpers of a commit -----------------------------------------------
+
+PyObject* TensorOf(PyObject* entry, PyObject** record) {
+  PyObject* t;
+  if (!EntryParts(entry, &t, record)) throw py::type_error("expected (tensor, record) entries");
+  RecordArg(*record);  // type check
+  return t;
+}
+
+void AppendEntry(py::list& out, PyObject* t, PyObject* rec) {
+  PyObject* entry = NewEntry(t, rec);
+  Check(entry != nullptr);
+  int appended = PyList_Append(out.ptr(), entry);
+  Py_DECREF(entry);
+  Check(appended == 0);
+}
+
+// Splits a committed step (`tensors`, `records`, with `pending`: which ones
+// hold pending IR) into donors and the ones whose holders must be looked at:
+//  * pending: updated in place after marking, an output: UPDATED_IN_PLACE;
+//  * views or aliases alive, or held by autograd: returned as `held`
+//    entries, unsettled, for ownership.py to decide;
+//  * the rest are donors.
+// Returns (donors, held), both lists of Entry.
+py::tuple SplitCommitted(py::list tensors, py::list records, py::object pending) {
+  RequireBound();
+  py::list donors, held;
+  const size_t n = tensors.size();
+  if (records.size() != n) throw py::value_error("tensors and records differ in length");
+  if (n == 0) return py::make_tuple(donors, held);
+  py::list flags = py::list(pending);
+  if (flags.size() != n) throw py::value_error("pending differs in length");
+  for (size_t i = 0; i < n; ++i) {
+    PyObject* t = PyList_GET_ITEM(tensors.ptr(), i);
+    PyObject* rec = PyList_GET_ITEM(records.ptr(), i);
+    const RecordPtr& record = RecordArg(rec);
+    int is_pending = PyObject_IsTrue(PyList_GET_ITEM(flags.ptr(), i));
+    Check(is_pending >= 0);
+    if (is_pending) {
+      GlobalLedger().Settle(record, Verdict::kUpdatedInPlace);
+      continue;
+    }
+    TensorFacts facts;
+    const int read = Facts(t, &facts, /*with_sizes=*/false);
+    Check(read >= 0);
+    long uses = StorageUseCount(t, read, facts);
+    Check(!(uses == -1 && PyErr_Occurred()));
+    int by_autograd = uses <= 1 && read == 1 ? HeldByAutograd(t, facts) : 0;
+    Check(by_autograd >= 0);
+    AppendEntry(uses > 1 || by_autograd ? held : donors, t, rec);
+  }
+  return py::make_tuple(donors, held);
+}
+
+// Sets torch_xla's donor flag on the buffer each donor holds now.  Returns
+// (armed, refused): torch_xla refuses a tensor that is no plain device data.
+py::tuple Arm(py::list donors) {
+  RequireBound();
+  py::list armed, refused;
+  for (size_t i = 0, n = donors.size(); i < n; ++i) {
+    PyObject* entry = PyList_GET_ITEM(donors.ptr(), i);
+    PyObject* rec;
+    PyObject* t = TensorOf(entry, &rec);
+    int ok = SetDonor(t, true);
+    if (ok < 0) PyErr_Clear();
+    Check(PyList_Append((ok == 1 ? armed : refused).ptr(), entry) == 0);
+  }
+  return py::make_tuple(armed, refused);
+}
+
+// Clears the donor flag of every entry.  Never raises for one tensor: a
+// buffer a step consumed keeps a flag nothing can read any more.
+void Disarm(py::list entries) {
+  RequireBound();
+  for (size_t i = 0, n = entries.size(); i < n; ++i) {
+    PyObject* rec;
+    PyObject* t = TensorOf(PyList_GET_ITEM(entries.ptr(), i), &rec);
+    if (SetDonor(t, false) < 0) PyErr_Clear();
+  }
+}
+
+// After the real execution: poison each donor the user still holds.  No
+// verdict yet, even for a buffer that reads as deleted already: while the
+// step is being dispatched, XLA holds a donated buffer in a way that reads
+// as deleted, and gives it back if the step then fails.  Only a deletion
+// seen once the step was dispatched is certain (verdicts.py).  A donor that
+// nothing but its entry refers to is left as it is: nobody can use it again.
+void PoisonDonors(py::list donors) {
+  RequireBound();
+  for (size_t i = 0, n = donors.size(); i < n; ++i) {
+    PyObject* rec;
+    PyObject* t = TensorOf(PyList_GET_ITEM(donors.ptr(), i), &rec);
+    int unreachable = OnlyHeldByItsEntry(t);
+    Check(unreachable >= 0);
+    if (!unreachable) Check(Poison(t, rec) == 0);
+  }
+}
+
+// Settles in-flight entries: a deleted buffer is CONSUMED; a live one is
+// unused only if `certain` that its step was dispatched.  Entries settled
+// meanwhile (by a use of the tensor) are skipped.  Returns (still unknown,
+// unused); the caller un-poisons and warns about the unused ones.
+py::tuple SettleEntries(py::list entries, bool certain) {
+  RequireBound();
+  py::list unknown, unused;
+  for (size_t i = 0, n = entries.size(); i < n; ++i) {
+    PyObject* entry = PyList_GET_ITEM(entries.ptr(), i);
+    PyObject* rec;
+    PyObject* t = TensorOf(entry, &rec);
+    const RecordPtr& record = Unwrap(rec);
+    if (record->verdict != Verdict::kInFlight) continue;
+    int deleted = BufferDeleted(t);
+    Check(deleted >= 0);
+    if (deleted) {
+      GlobalLedger().Settle(record, Verdict::kConsumed);
+    } else {
+      Check(PyList_Append((certain ? unused : unknown).ptr(), entry) == 0);
+    }
+  }
+  return py::make_tuple(unknown, unused);
+}
+
+}  // namespace
+
+void RegisterHotPath(PyObject* module) {
+  py::module_ m = py::reinterpret_borrow<py::module_>(module);
+  if (PyModule_AddFunctions(module, kFastMethods) < 0) throw py::error_already_set();
+  m.def(
+      "set_fast_path_enabled", [](bool enabled) { g_fast_enabled = enabled; }, py::arg("enabled"),
+      "Opens try_mark's fast path while donation is switched on (config and "
+      "XLA_ENABLE_PARAM_ALIASING).");
+  m.def(
+      "note_lock", [](bool acquired) { g_lock_holders += acquired ? 1 : -1; },
+      py::arg("acquired"),
+      "step_hook's lock was acquired (True) or released (False): the fast path "
+      "declines while anyone holds it.");
+  m.def("lock_holders", []() { return g_lock_holders; });
+  m.def("split_committed", &SplitCommitted, py::arg("tensors"), py::arg("records"),
+        py::arg("pending"));
+  m.def("arm", &Arm, py::arg("donors"));
+  m.def("disarm", &Disarm, py::arg("entries"));
+  m.def("poison_donors", &PoisonDonors, py::arg("donors"));
+  m.def("settle_entries", &SettleEntries, py::arg("entries"), py::arg("certain"));
+}
+
+}  // namespace torch_xla_donate

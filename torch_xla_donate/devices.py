@@ -1,0 +1,56 @@
+"""Several devices in one process.
+
+``torch_xla.launch`` (``xmp.spawn``) on CPU or GPU runs one thread per local
+device in one process, and each thread's barrier syncs only the tensors of
+its own device.  So a barrier commits only the marks on its device (the
+others wait for their own thread's barrier), and is certain only about the
+open verdicts of its device.  No code here waits for a device while holding
+the hook lock: the step of another device may sit in a collective
+(all_reduce) until that device's thread has passed its own barrier, which
+takes the lock.
+
+Under SPMD every tensor lives on one virtual device: one device here.
+"""
+import torch
+
+from . import _C, _xla
+
+__all__ = ["barrier_device", "split_by_device", "begin_step_on", "dispatched", "dispatched_through"]
+
+
+def barrier_device(device: str):
+    """The device a barrier called with ``device`` ("" : the thread's) syncs."""
+    return torch.device(device) if device else _xla.default_device()
+
+
+def split_by_device(entries, device):
+    """(entries whose tensor is on ``device``, the others)."""
+    if _xla.local_device_count() == 1:
+        return entries, []
+    mine = [e for e in entries if e[0].device == device]
+    return mine, [e for e in entries if e[0].device != device]
+
+
+def begin_step_on(device):
+    """``_C.begin_step()`` for the marks on ``device`` only: (step, tensors,
+    records)."""
+    if _xla.local_device_count() == 1:
+        return _C.begin_step()
+    return _C.begin_step([t for t in _C.marked_tensors() if t.device == device])
+
+
+# The newest step known to be dispatched, per device (None: every device).
+# A verdict of such a step is certain without waiting: its buffers no longer
+# change between "held for a donation" and "deleted".
+_dispatched_steps = {}
+
+
+def dispatched(device, step) -> None:
+    """Every step of ``device`` (None: of every device) up to ``step`` has
+    been dispatched."""
+    if step > _dispatched_steps.get(device, 0):
+        _dispatched_steps[device] = step
+
+
+def dispatched_through(device) -> int:
+    return max(_dispatched_steps.get(device, 0), _dispatched_steps.get(None, 0))

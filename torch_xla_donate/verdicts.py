@@ -1,0 +1,213 @@
+"""Verdicts: what became of each committed donation.
+
+Whether XLA really took a buffer is visible only once the execution has been
+dispatched (the input's buffer is then deleted), and with
+``sync(wait=False)`` that may be a moment later.  So each donation waits *in
+flight*, poisoned: it is settled by the next barrier of its device (which
+cannot start before this step was dispatched), by the first use of the
+tensor, by ``is_deleted``, or by ``settle_in_flight()``.  Nothing blocks the
+training loop.
+
+A verdict is:
+
+* CONSUMED: the buffer is gone; the tensor stays poisoned;
+* UNUSED: no output could take it (or it was no input of the graph): the
+  tensor gets its value back and an ``UnusedDonationWarning`` says so
+  (``UnusedDonationError`` in strict mode);
+* STEP_FAILED: the execution failed (failures.py): value kept, quietly.
+
+torch_xla's donor flag was cleared as soon as the execution had built its
+graph (commit.py), so an unused donation cannot fire at a later step.
+"""
+import warnings
+from collections import Counter
+
+from . import _C, _xla, config, devices, failures, poison
+from .errors import UnusedDonationError, UnusedDonationWarning
+from .hook_lock import lock
+from .sites import user_stacklevel
+
+__all__ = ["after_commit", "settle_in_flight", "settled_listeners", "warn_records"]
+
+# (tensor, record) _C.Entry of committed donations whose verdict is not known yet.
+_in_flight = []
+
+# Called with no argument whenever verdicts may have been settled, so that a
+# step's report can be given once it is complete (report.py's per-step log).
+# Listeners must be cheap and must not raise.
+settled_listeners = []
+
+
+def notify_settled() -> None:
+    for listener in settled_listeners:
+        listener()
+
+
+def after_commit(device, donors, certain: bool) -> None:
+    """After an execution on ``device`` committed ``donors`` (entries): its
+    earlier verdicts of that device are certain now (it could not start
+    before the previous one was dispatched); this one's are if ``certain``
+    (the execution was waited for).  Called with the lock held."""
+    global _in_flight
+    earlier, others = devices.split_by_device(_in_flight, device)
+    # Already the state to keep if settling raises (strict mode's
+    # UnusedDonationError): this execution's donors stay in flight.
+    _in_flight = others + earlier + donors
+    _in_flight = others + _settle(earlier, certain=True) + _settle(donors, certain=certain)
+    notify_settled()
+
+
+def abandon(entries, verdict) -> None:
+    """Settles committed entries that will not be donated (switched off,
+    failed execution): values kept, poison lifted, no warning."""
+    for t, record in entries:
+        _C.settle(record, verdict)
+        if poison.is_poisoned(t):
+            poison.unpoison(t)
+
+
+def _settle(entries, certain: bool) -> list:
+    """Settles in-flight donations; returns those still unknown.
+
+    Only once ``certain`` that their step was dispatched: then a deleted
+    buffer is "consumed" and a live one "unused".  Before that a buffer may
+    read as deleted while XLA holds it for a donation it gives back if the
+    step fails, so nothing is concluded.
+    """
+    if not certain:
+        return entries
+    # Natively, per entry: skip it if a use of the tensor settled it in the
+    # meantime; CONSUMED if its buffer is deleted; else unused or unknown.
+    unknown, unused = _C.settle_entries(entries, certain)
+    if unused and failures.any_failed():
+        failed = [e for e in unused if failures.in_failed_step(e[1])]
+        unused = [e for e in unused if not failures.in_failed_step(e[1])]
+        for t, record in failed:
+            _fail(t, record)
+    for t, record in unused:
+        _unuse(t, record)
+    if unused:
+        _warn_unused([record for _, record in unused])
+    return unknown
+
+
+def settle_one(t, record) -> None:
+    """Settles the in-flight donation ``record`` of ``t`` now, waiting for the
+    device if needed: ``t`` (or the tensor torch_xla sees behind it) is about
+    to be used."""
+    with lock:
+        if record.verdict != _C.Verdict.IN_FLIGHT:
+            return
+    # Unless its step is known to be dispatched, wait, even when the buffer
+    # reads as deleted already: that may be XLA holding it for a donation
+    # that a failing step gives back.  Never wait while holding the lock (see
+    # devices.py).  A failure of the step surfaces here (failures.py): the
+    # verdict stays open and the error goes to the user's line.
+    if record.step > devices.dispatched_through(t.device):
+        _xla.wait_device_ops(t.device)
+    with lock:
+        if record.verdict != _C.Verdict.IN_FLIGHT:
+            return  # settled by a barrier while we waited
+        # The entry holds the tensor the user has: ``t`` may be the tensor
+        # torch_xla sees behind it, which an operator's dispatch hands us.
+        held = next((e[0] for e in _in_flight if e[1].id == record.id), t)
+        if _xla.buffer_deleted(t):
+            _C.settle(record, _C.Verdict.CONSUMED)
+        elif failures.in_failed_step(record):
+            _fail(held, record)
+        else:
+            _unuse(held, record)
+            notify_settled()
+            _warn_unused([record])
+            return
+        notify_settled()
+
+
+def settle_in_flight() -> None:
+    """Settles every open verdict, waiting for the device if needed."""
+    global _in_flight
+    with lock:
+        entries, _in_flight = _in_flight, []
+    if not entries:
+        return
+    try:
+        _xla.wait_device_ops()  # outside the lock: see devices.py
+    except BaseException:
+        with lock:  # a failed step surfaced: keep the verdicts open
+            _in_flight = entries + _in_flight
+        raise
+    with lock:
+        try:
+            _settle(entries, certain=True)
+        finally:
+            notify_settled()
+
+
+def in_flight_count() -> int:
+    return len(_in_flight)
+
+
+poison._settle_hook = settle_one
+
+
+def _unuse(t, record) -> None:
+    _C.settle(record, _C.Verdict.UNUSED)
+    poison.unpoison(t)
+
+
+def _fail(t, record) -> None:
+    """An in-flight donation whose step failed: it keeps its value, quietly
+    (the step's error is the user's news, not an unused donation)."""
+    _C.settle(record, _C.Verdict.STEP_FAILED)
+    poison.unpoison(t)
+
+
+def _warn_unused(records) -> None:
+    """Tells the user which donations no output could take: a warning, or in
+    strict mode an error (raised after the ledger is consistent)."""
+    warn_records(
+        UnusedDonationError if config.strict() else UnusedDonationWarning,
+        "Some donated buffers were not usable{at_step}: {items}. No output of the "
+        "execution could take them (or they were no input of its graph); they keep "
+        "their values and are no longer marked.",
+        records,
+    )
+
+
+def warn_records(category, template, records) -> None:
+    """Warns (or raises, for an exception category) naming ``records``: each
+    shape once with its count and the places that marked it.
+
+    No step number in a warning: a loop that repeats the same unusable
+    donation must repeat the same text, which Python's default filter then
+    shows once.  A text per step would be shown, and remembered in the
+    caller's ``__warningregistry__``, at every step, without bound.
+    """
+    items = _describe(records)
+    if issubclass(category, Exception) and not issubclass(category, Warning):
+        raise category(template.format(at_step=f" at step {records[0].step}", items=items))
+    warnings.warn(template.format(at_step="", items=items), category, stacklevel=user_stacklevel())
+
+
+def _describe(records) -> str:
+    """``16 x f32[1024,1024] (donated at train.py:12)``, shapes in order of
+    first appearance, at most 8 distinct shapes.
+
+    >>> R = type("R", (), {})
+    >>> rs = [R(), R(), R()]
+    >>> for r, s in zip(rs, ["f32[3]", "f32[3]", "s64[2]"]):
+    ...     r.shape_string, r.where = s, "t.py:1"
+    >>> _describe(rs)
+    '2 x f32[3] (donated at t.py:1), s64[2] (donated at t.py:1)'
+    """
+    groups = {}
+    for r in records:
+        counts = groups.setdefault(r.shape_string, Counter())
+        counts[r.where] += 1
+    parts = []
+    for shape, places in list(groups.items())[:8]:
+        n = sum(places.values())
+        where = ", ".join(list(places)[:3]) + (" ..." if len(places) > 3 else "")
+        parts.append(f"{f'{n} x ' if n > 1 else ''}{shape} (donated at {where})")
+    more = len(groups) - 8
+    return ", ".join(parts) + (f", and {more} more shape(s)" if more > 0 else "")
