@@ -52,6 +52,7 @@ void Bind(py::kwargs hooks) {
       {"fast_types", &Hooks::fast_types},
       {"donated_type", &Hooks::donated_type},
       {"poison_class_for", &Hooks::poison_class_for},
+      {"dispatch_class_for", &Hooks::dispatch_class_for},
       {"inner_of", &Hooks::inner_of},
   };
   for (auto item : hooks) {
@@ -70,7 +71,7 @@ void Bind(py::kwargs hooks) {
       Py_CLEAR(g_hooks.fast_types);
       throw py::type_error("bind(): fast_types must be a tuple of types");
     }
-    if (name == "poison_class_for") ForgetPoisonClasses();
+    if (name == "poison_class_for" || name == "dispatch_class_for") ForgetPoisonClasses();
   }
 }
 

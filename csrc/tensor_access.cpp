@@ -47,8 +47,10 @@ struct DtypeInfo {
 std::unordered_map<PyObject*, DtypeInfo> g_dtypes;
 // The dtype of each c10::ScalarType seen so far, filled from LookupDtype.
 const DtypeInfo* g_dtype_by_scalar_type[64] = {};
-// Each class and its poisoned twin (poison.py's _poison_class_for).
-std::unordered_map<PyTypeObject*, PyObject*> g_poison_classes;
+// Each class and its poisoned twins (poison.py's _poison_class_for): the one
+// the user's tensor takes, and the one refusing operators, which the tensor
+// torch_xla computes with takes.
+std::unordered_map<PyTypeObject*, PyObject*> g_poison_classes[2];
 
 const DtypeInfo* LookupDtype(PyObject* dtype) {
   auto it = g_dtypes.find(dtype);
@@ -74,32 +76,36 @@ const DtypeInfo* LookupDtype(PyObject* dtype) {
 }
 
 // The poisoned twin of `type` (cached).  Borrowed, or nullptr with an error.
-PyObject* PoisonClassFor(PyTypeObject* type) {
-  auto it = g_poison_classes.find(type);
-  if (it != g_poison_classes.end()) return it->second;
-  PyObject* twin = PyObject_CallOneArg(g_hooks.poison_class_for, reinterpret_cast<PyObject*>(type));
+PyObject* PoisonClassFor(PyTypeObject* type, bool refuses_operators) {
+  auto& cache = g_poison_classes[refuses_operators ? 1 : 0];
+  auto it = cache.find(type);
+  if (it != cache.end()) return it->second;
+  PyObject* hook = refuses_operators ? g_hooks.dispatch_class_for : g_hooks.poison_class_for;
+  PyObject* twin = PyObject_CallOneArg(hook, reinterpret_cast<PyObject*>(type));
   if (!twin) return nullptr;
   Py_INCREF(type);  // keep the key alive: its address must not be reused
-  g_poison_classes.emplace(type, twin);
+  cache.emplace(type, twin);
   return twin;
 }
 
 // Tags `t` and gives it its poisoned twin class.  0 ok, -1 error.
-int TagAndSwapClass(PyObject* t, const RecordPtr& record) {
+int TagAndSwapClass(PyObject* t, const RecordPtr& record, bool refuses_operators) {
   if (TagTensor(t, record) < 0) return -1;
   if (IsDonatedType(t)) return 0;
-  PyObject* twin = PoisonClassFor(Py_TYPE(t));
+  PyObject* twin = PoisonClassFor(Py_TYPE(t), refuses_operators);
   return twin ? PyObject_SetAttr(t, N().klass, twin) : -1;
 }
 
 }  // namespace
 
 void ForgetPoisonClasses() {
-  for (auto& kv : g_poison_classes) {
-    Py_DECREF(kv.second);
-    Py_DECREF(reinterpret_cast<PyObject*>(kv.first));
+  for (auto& cache : g_poison_classes) {
+    for (auto& kv : cache) {
+      Py_DECREF(kv.second);
+      Py_DECREF(reinterpret_cast<PyObject*>(kv.first));
+    }
+    cache.clear();
   }
-  g_poison_classes.clear();
 }
 
 void Check(bool ok) {
@@ -233,13 +239,13 @@ int TagTensor(PyObject* t, const RecordPtr& record) {
 
 int Poison(PyObject* t, PyObject* record) {
   const RecordPtr& r = Unwrap(record);
-  if (TagAndSwapClass(t, r) < 0) return -1;
   // The tensor torch_xla computes with: for a functional tensor (torch_xla's
   // default) the one it wraps, which every operator on `t` reaches after
   // functionalization unwrapped it; else `t` itself.
   PyObject* inner = PyObject_CallOneArg(g_hooks.inner_of, t);
   if (!inner) return -1;
-  int rc = inner == t ? 0 : TagAndSwapClass(inner, r);
+  int rc = TagAndSwapClass(t, r, /*refuses_operators=*/inner == t);
+  if (rc == 0 && inner != t) rc = TagAndSwapClass(inner, r, /*refuses_operators=*/true);
   uintptr_t impl = 0;
   if (rc == 0 && (!ImplAddress(inner, &impl) || impl == 0)) rc = -1;
   if (rc == 0 && !SetPythonDispatch(impl, true)) {

@@ -32,13 +32,16 @@ struct Hooks {
   PyObject* fast_types = nullptr;            // tuple: exact types of the fast path
   PyObject* donated_type = nullptr;          // poison._DonatedTensor (the mixin)
   PyObject* poison_class_for = nullptr;      // type -> its poisoned twin
+  PyObject* dispatch_class_for = nullptr;    // type -> its twin refusing operators
   PyObject* inner_of = nullptr;              // tensor -> the tensor torch_xla sees
 
   bool torch_bound() const {
     return tensor_type && set_donor && buffer_deleted && need_materialization &&
            storage_use_count && dtype_info;
   }
-  bool poison_bound() const { return donated_type && poison_class_for && inner_of; }
+  bool poison_bound() const {
+    return donated_type && poison_class_for && dispatch_class_for && inner_of;
+  }
 };
 
 extern Hooks g_hooks;

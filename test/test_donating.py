@@ -263,7 +263,7 @@ def test_negative_indices():
     def step(params, batch):
         return params
 
-    assert tdx.donating(step, donate_argnums=-2).donate_argnums == (-2,)
+    assert tdx.donating(step, donate_argnums=-2).donate_argnums == (0,)  # resolved
     with pytest.raises(ValueError, match="out of range"):
         tdx.donating(step, donate_argnums=-3)
 

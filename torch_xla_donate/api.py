@@ -20,7 +20,7 @@ import warnings
 
 import torch
 
-from . import _C, _xla, config, ownership, poison
+from . import _C, _xla, config, dynamo, ownership, poison
 from .hook_lock import lock
 from .dtypes import xla_dtype_name
 from .errors import DonatedBufferError, DonationDisabledWarning
@@ -46,6 +46,8 @@ def donate_buffer(tensor: torch.Tensor) -> None:
         saved for backward by a live autograd graph, or is a 0-dim scalar.
       DonatedBufferError: it was donated already.
     """
+    if torch.compiler.is_compiling():  # dynamo traces this: a graph op, no break
+        return dynamo.donate_in_graph([tensor])
     # The common case is one native call (checks and ledger entry; the "1"
     # blames our caller's line): a plain tensor or parameter passing every
     # check of ``_check_donatable``, 0-dim and autograd ones included, while

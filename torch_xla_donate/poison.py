@@ -51,6 +51,25 @@ class _DonatedTensor:
     # The dispatcher is the one check path; Python-level calls reach it too.
     __torch_function__ = torch._C._disabled_torch_function_impl
 
+    def __repr__(self):
+        if not _settled_consumed(self):
+            return repr(self)  # unused after all: the class is restored
+        record = donation_record(self)
+        return (
+            f"<donated XLA tensor {record.shape_string}: its buffer was reused by "
+            f"step {record.step} ({record.via} at {record.where}); it has no value>"
+        )
+
+    __str__ = __repr__
+
+
+class _RefusesOperators(_DonatedTensor):
+    """The class of the tensor that carries the dispatch key: the one
+    torch_xla computes with.  Kept off the wrapper the user holds, so that
+    dynamo sees that one as a plain tensor and never traces this."""
+
+    __slots__ = ()
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -60,30 +79,24 @@ class _DonatedTensor:
         # Every donated argument turned out unused and lost its poison.
         return func(*args, **kwargs)
 
-    def __repr__(self):
-        if not _settled_consumed(self):
-            return repr(self)  # unused after all: the class is restored
-        record = donation_record(self)
-        return (
-            f"<donated XLA tensor {record.shape_string}: its buffer was reused by "
-            f"step {record.step} ({record.via} at {record.where}); "
-            f"it has no value>"
-        )
-
-    __str__ = __repr__
-
 
 _poison_classes = {}
 
 
-def _poison_class_for(cls: type) -> type:
+def _poison_class_for(cls: type, refuses_operators: bool = False) -> type:
     """The donated twin of ``cls``: ``nn.Parameter`` stays a Parameter, a user
     subclass keeps its methods (only tensor operators are refused)."""
-    poisoned = _poison_classes.get(cls)
+    key = (cls, refuses_operators)
+    poisoned = _poison_classes.get(key)
     if poisoned is None:
-        poisoned = type(f"Donated{cls.__name__}", (_DonatedTensor, cls), {"_original_class": cls})
-        _poison_classes[cls] = poisoned
+        mixin = _RefusesOperators if refuses_operators else _DonatedTensor
+        poisoned = type(f"Donated{cls.__name__}", (mixin, cls), {"_original_class": cls})
+        _poison_classes[key] = poisoned
     return poisoned
+
+
+def _dispatch_class_for(cls: type) -> type:
+    return _poison_class_for(cls, True)
 
 
 def _inner(t):
@@ -106,11 +119,12 @@ def poison(t: torch.Tensor, record) -> None:
     whole step's donors in one native call (``_C.poison_donors``), which does
     the same as this, tensor by tensor.
     """
-    for x in _both(t):
+    inner = _inner(t)
+    for x in _both(t, inner):
         _C.tag_record(x, record)
         if not isinstance(x, _DonatedTensor):
-            x.__class__ = _poison_class_for(type(x))
-    _C.set_python_dispatch(_inner(t), True)
+            x.__class__ = _poison_class_for(type(x), refuses_operators=x is inner)
+    _C.set_python_dispatch(inner, True)
 
 
 def unpoison(t: torch.Tensor) -> None:
@@ -194,4 +208,5 @@ def _donated_in(args, kwargs):
     return found
 
 
-_C.bind(donated_type=_DonatedTensor, poison_class_for=_poison_class_for, inner_of=_inner)
+_C.bind(donated_type=_DonatedTensor, poison_class_for=_poison_class_for,
+        dispatch_class_for=_dispatch_class_for, inner_of=_inner)

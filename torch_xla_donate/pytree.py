@@ -47,7 +47,7 @@ import warnings
 import torch
 import torch.utils._pytree as pytree
 
-from . import _C, _xla, api, config
+from . import _C, _xla, api, config, dynamo
 from .hook_lock import lock
 from .sites import user_site, user_stacklevel
 from .errors import DonatedBufferError
@@ -73,7 +73,24 @@ def donate(tree) -> int:
       ValueError, DonatedBufferError: a tensor of the tree cannot be donated;
         the message names its path, e.g. ``tree['layer1'][0]``.
     """
+    if torch.compiler.is_compiling():  # dynamo traces this: graph ops, no break
+        return _donate_in_graph([tree])
     return _donate_named([(_root_label(tree), tree)], user_site(), api.VIA_DONATE)
+
+
+def _donate_in_graph(trees) -> int:
+    """``donate`` while dynamo traces it (see dynamo.py): one graph op per
+    distinct tensor leaf; the compiled graph donates them on every call."""
+    tensors = {}
+    for tree in trees:
+        for leaf in pytree.tree_leaves(tree):
+            if isinstance(leaf, torch.nn.Module):
+                for t in list(leaf.parameters()) + list(leaf.buffers()):
+                    tensors[id(t)] = t
+            elif isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+                tensors[id(leaf)] = leaf
+    dynamo.donate_in_graph(list(tensors.values()))
+    return len(tensors)
 
 
 def _donate_named(named_trees, where, via) -> int:
@@ -156,6 +173,32 @@ def _checked(path, check, *args):
             f"donate: cannot donate {path}, so no tensor of this call was marked. "
             f"{error}"
         ) from None
+
+
+def tensors_in(named_trees) -> list:
+    """Every distinct tensor of the ``(label, tree)`` pairs, as ``donate``
+    would see them (module parameters and buffers, optimizer state), without
+    building paths.
+
+    >>> t = torch.ones(1)
+    >>> tensors_in([("a", [t, t, 3])]) == [t]
+    True
+    """
+    seen, out = set(), []
+    for _, tree in named_trees:
+        for leaf in pytree.tree_leaves(tree):
+            if isinstance(leaf, torch.nn.Module):
+                found = list(leaf.parameters()) + list(leaf.buffers())
+            elif isinstance(leaf, torch.optim.Optimizer):
+                found = [t for state in leaf.state.values()
+                         for t in pytree.tree_leaves(state) if isinstance(t, torch.Tensor)]
+            else:
+                found = [leaf] if isinstance(leaf, torch.Tensor) else []
+            for t in found:
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    out.append(t)
+    return out
 
 
 def _tensor_leaves(named_trees) -> list:
