@@ -29,6 +29,11 @@ namespace {
 // slow path warns then.
 int g_lock_holders = 0;
 bool g_fast_enabled = false;
+// Every XLA tensor with an id up to this one existed at the end of the last
+// barrier of every device, which gave each its own buffer: a copy or clone
+// still sharing its source's buffer is newer (see ownership.py).  Newer
+// tensors go to the Python path, which looks closer.
+int64_t g_settled_ids = -1;
 
 bool FastPathOpen() {
   return g_lock_holders == 0 && g_fast_enabled && g_hooks.torch_bound() && g_hooks.poison_bound();
@@ -62,6 +67,7 @@ struct Candidate {
   std::vector<int64_t> shape;
   std::string dtype;
   int64_t nbytes = 0;
+  int64_t version = -1;
 };
 
 // The checks (plain XLA tensor, no view, no alias, not held by autograd,
@@ -73,7 +79,13 @@ bool Prepare(PyObject* t, Candidate* c) {
     PyErr_Clear();
     return false;
   }
+  const int64_t id = TensorId(t);
+  if (id < 0 || id > g_settled_ids) {  // new since the last barrier: look closer
+    PyErr_Clear();
+    return false;
+  }
   c->tensor = t;
+  c->version = facts.version;
   return true;
 }
 
@@ -89,7 +101,7 @@ Via ViaArg(PyObject* const* args, Py_ssize_t nargs, Py_ssize_t i) {
 
 void MarkCandidate(Candidate&& c, const FilePtr& file, int line, Via via) {
   GlobalLedger().Mark(py::reinterpret_borrow<py::object>(c.tensor), file, line,
-                      std::move(c.shape), std::move(c.dtype), c.nbytes, via);
+                      std::move(c.shape), std::move(c.dtype), c.nbytes, via, c.version);
 }
 
 // try_mark(tensor, where, via=0) -> bool
@@ -223,7 +235,8 @@ void AppendEntry(py::list& out, PyObject* t, PyObject* rec) {
 
 // Splits a committed step (`tensors`, `records`, with `pending`: which ones
 // hold pending IR) into donors and the ones whose holders must be looked at:
-//  * pending: updated in place after marking, an output: UPDATED_IN_PLACE;
+//  * pending, or its version counter moved: updated in place after marking,
+//    an output: UPDATED_IN_PLACE;
 //  * views or aliases alive, or held by autograd: returned as `held`
 //    entries, unsettled, for ownership.py to decide;
 //  * the rest are donors.
@@ -249,6 +262,12 @@ py::tuple SplitCommitted(py::list tensors, py::list records, py::object pending)
     TensorFacts facts;
     const int read = Facts(t, &facts, /*with_sizes=*/false);
     Check(read >= 0);
+    if (read == 1 && record->version >= 0 && facts.version != record->version) {
+      // Updated in place since marking, and already materialized by a flush
+      // that committed nothing (a step block's): its new value is no donor.
+      GlobalLedger().Settle(record, Verdict::kUpdatedInPlace);
+      continue;
+    }
     long uses = StorageUseCount(t, read, facts);
     Check(!(uses == -1 && PyErr_Occurred()));
     int by_autograd = uses <= 1 && read == 1 ? HeldByAutograd(t, facts) : 0;
@@ -341,6 +360,9 @@ void RegisterHotPath(PyObject* module) {
       "step_hook's lock was acquired (True) or released (False): the fast path "
       "declines while anyone holds it.");
   m.def("lock_holders", []() { return g_lock_holders; });
+  m.def(
+      "set_settled_ids", [](int64_t id) { g_settled_ids = id; }, py::arg("id"),
+      "Every XLA tensor with an id up to `id` has its own buffer (set at each barrier).");
   m.def("split_committed", &SplitCommitted, py::arg("tensors"), py::arg("records"),
         py::arg("pending"));
   m.def("arm", &Arm, py::arg("donors"));

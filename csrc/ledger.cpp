@@ -39,7 +39,7 @@ std::string Record::ShapeString() const {
 
 RecordPtr Ledger::Mark(py::object tensor, FilePtr file, int line,
                        std::vector<int64_t> shape, std::string dtype,
-                       int64_t nbytes, Via via) {
+                       int64_t nbytes, Via via, int64_t version) {
   std::lock_guard<std::mutex> lock(mu_);
   PyObject* key = tensor.ptr();
   if (index_.Find(key)) return nullptr;
@@ -51,6 +51,7 @@ RecordPtr Ledger::Mark(py::object tensor, FilePtr file, int line,
   record->dtype = std::move(dtype);
   record->nbytes = nbytes;
   record->via = via;
+  record->version = version;
   index_.Set(key, marks_.size());
   marks_.push_back(Mark_{std::move(tensor), record});
   return record;

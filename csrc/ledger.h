@@ -65,6 +65,9 @@ struct Record {
   int64_t nbytes = 0;
   Verdict verdict = Verdict::kMarked;
   Via via = Via::kDonateBuffer;
+  // The tensor's version counter when marked (-1: unknown): an in-place
+  // update after marking makes it an output of the step, not a donor.
+  int64_t version = -1;
 
   // "f32[4,4]", the spelling XLA and JAX use in their messages.
   std::string ShapeString() const;
@@ -97,7 +100,7 @@ class Ledger {
   // marked: marking twice before a step counts once.
   RecordPtr Mark(py::object tensor, FilePtr file, int line,
                  std::vector<int64_t> shape, std::string dtype,
-                 int64_t nbytes, Via via = Via::kDonateBuffer);
+                 int64_t nbytes, Via via = Via::kDonateBuffer, int64_t version = -1);
 
   // Removes a pending mark; returns its record (verdict kCancelled) or
   // nullptr when the tensor was not marked.

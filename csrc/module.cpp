@@ -49,6 +49,7 @@ void Bind(py::kwargs hooks) {
       {"need_materialization", &Hooks::need_materialization},
       {"storage_use_count", &Hooks::storage_use_count},
       {"dtype_info", &Hooks::dtype_info},
+      {"tensor_id", &Hooks::tensor_id},
       {"fast_types", &Hooks::fast_types},
       {"donated_type", &Hooks::donated_type},
       {"poison_class_for", &Hooks::poison_class_for},
@@ -107,7 +108,7 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "mark",
       [](py::object tensor, std::string file, int line, std::vector<int64_t> shape,
-         std::string dtype, int64_t nbytes, int via) -> py::object {
+         std::string dtype, int64_t nbytes, int via, int64_t version) -> py::object {
         // Garbage here would reach the next barrier (a None "tensor") or
         // corrupt the byte counts: refuse it where it comes in.
         if (tensor.is_none()) throw py::type_error("mark() needs a tensor, got None");
@@ -117,10 +118,10 @@ PYBIND11_MODULE(_C, m) {
           if (d < 0) throw py::value_error("mark(): shape sizes must be >= 0");
         return RecordOrNone(GlobalLedger().Mark(
             std::move(tensor), std::make_shared<const std::string>(std::move(file)), line,
-            std::move(shape), std::move(dtype), nbytes, static_cast<Via>(via)));
+            std::move(shape), std::move(dtype), nbytes, static_cast<Via>(via), version));
       },
       py::arg("tensor"), py::arg("file"), py::arg("line"), py::arg("shape"), py::arg("dtype"),
-      py::arg("nbytes"), py::arg("via") = 0,
+      py::arg("nbytes"), py::arg("via") = 0, py::arg("version") = -1,
       "Marks a tensor for the next step; None if it is already marked.");
   m.def(
       "unmark",

@@ -196,6 +196,14 @@ int HasPendingIr(PyObject* t) {
 
 int BufferDeleted(PyObject* t) { return Truth(PyObject_CallOneArg(g_hooks.buffer_deleted, t)); }
 
+int64_t TensorId(PyObject* t) {
+  PyObject* id = PyObject_CallOneArg(g_hooks.tensor_id, t);
+  if (!id) return -1;
+  int64_t value = PyLong_AsLongLong(id);
+  Py_DECREF(id);
+  return value;
+}
+
 int SetDonor(PyObject* t, bool donate) {
   PyObject* args[2] = {t, donate ? Py_True : Py_False};
   return Truth(PyObject_Vectorcall(g_hooks.set_donor, args, 2, nullptr));

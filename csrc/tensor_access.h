@@ -29,6 +29,7 @@ struct Hooks {
   PyObject* need_materialization = nullptr;  // [tensor] -> [bool]
   PyObject* storage_use_count = nullptr;     // storage._cdata -> int
   PyObject* dtype_info = nullptr;            // dtype -> (xla name, itemsize)
+  PyObject* tensor_id = nullptr;             // tensor -> torch_xla's tensor id
   PyObject* fast_types = nullptr;            // tuple: exact types of the fast path
   PyObject* donated_type = nullptr;          // poison._DonatedTensor (the mixin)
   PyObject* poison_class_for = nullptr;      // type -> its poisoned twin
@@ -37,7 +38,7 @@ struct Hooks {
 
   bool torch_bound() const {
     return tensor_type && set_donor && buffer_deleted && need_materialization &&
-           storage_use_count && dtype_info;
+           storage_use_count && dtype_info && tensor_id;
   }
   bool poison_bound() const {
     return donated_type && poison_class_for && dispatch_class_for && inner_of;
@@ -74,6 +75,8 @@ int IsView(PyObject* t);
 int HasPendingIr(PyObject* t);
 int BufferDeleted(PyObject* t);
 int SetDonor(PyObject* t, bool donate);
+// torch_xla's id of the XLA tensor behind `t` (ids only grow); -1 on error.
+int64_t TensorId(PyObject* t);
 
 // Shape, XLA dtype name and byte size of `t` (whose `facts` were read with
 // sizes); the shape is moved out of `facts.sizes`.  1 ok, 0 unusual

@@ -29,6 +29,9 @@ struct TensorFacts {
   bool symbolic_sizes = false;  // dynamic shapes: sizes below are not filled
   std::vector<int64_t> sizes;
   int64_t itemsize = 0;
+  // c10's version counter: every in-place update bumps it (-1: the tensor
+  // keeps none, an inference tensor).
+  int64_t version = -1;
 };
 
 // Reads the facts of the tensor whose c10::TensorImpl is at `impl` (the

@@ -109,16 +109,18 @@ PyObject* GetReal(PyObject* self, void*) {
   return real;
 }
 
-PyObject* GetName(PyObject* self, void*) {
-  PyObject* real = reinterpret_cast<PyTrampoline*>(self)->real;
-  if (!real) return PyUnicode_FromString("Trampoline");
-  return PyObject_GetAttrString(real, "__name__");
+// As a class attribute it binds like a function: `obj.method(...)` calls
+// real(obj, ...) between before(obj, ...) and after(...).
+PyObject* TrampolineGet(PyObject* self, PyObject* obj, PyObject*) {
+  if (obj == nullptr || obj == Py_None) {
+    Py_INCREF(self);
+    return self;
+  }
+  return PyMethod_New(self, obj);
 }
 
 PyGetSetDef kGetters[] = {
     {"real", GetReal, nullptr, "The function this stands in for.", nullptr},
-    {"__wrapped__", GetReal, nullptr, "The function this stands in for.", nullptr},
-    {"__name__", GetName, nullptr, "The name of the function this stands in for.", nullptr},
     {nullptr, nullptr, nullptr, nullptr, nullptr},
 };
 
@@ -130,6 +132,7 @@ PyType_Slot kSlots[] = {
     {Py_tp_traverse, reinterpret_cast<void*>(TrampolineTraverse)},
     {Py_tp_clear, reinterpret_cast<void*>(TrampolineClear)},
     {Py_tp_getset, kGetters},
+    {Py_tp_descr_get, reinterpret_cast<void*>(TrampolineGet)},
     {Py_tp_doc, const_cast<char*>(
                     "Trampoline(real, before, after): calls real(*args) from C between "
                     "before(*args) and after(token, result, error); see csrc/trampoline.h.")},
@@ -140,7 +143,7 @@ PyType_Spec kSpec = {
     "torch_xla_donate._C.Trampoline",
     sizeof(PyTrampoline),
     0,
-    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_BASETYPE,
     kSlots,
 };
 

@@ -77,10 +77,14 @@ def buffer_handles(tensors) -> list:
 def buffer_owner_ids(tensors) -> list:
     """For each tensor without pending IR: the tensor id torch_xla files its
     buffer under (the last tensor that took the buffer as its own; a copy
-    taking its source's buffer at a barrier becomes its owner).  Two tensors
-    sharing a buffer give one entry: the list can be shorter."""
+    taking its source's buffer at a barrier becomes its owner), or
+    ``NO_OWNER`` for a buffer uploaded from the host that no graph has read.
+    Two tensors sharing a buffer give one entry: the list can be shorter."""
     tensors = list(tensors)
     return _XLAC._get_tensors_xla_device_data_node(tensors, tensors)[0]
+
+
+NO_OWNER = _XLAC._get_seed_info_id()
 
 
 def buffer_deleted(t: torch.Tensor) -> bool:
@@ -194,4 +198,5 @@ _C.bind(
     need_materialization=_XLAC._check_tensor_need_materialization,
     storage_use_count=torch._C._storage_Use_Count,  # of t.untyped_storage()._cdata
     dtype_info=_dtype_info,
+    tensor_id=_XLAC._xla_get_tensor_id,
 )

@@ -115,7 +115,15 @@ def _mark_checked(tensor, where, via=VIA_DONATE_BUFFER) -> None:
             return
         file, line = where
         _C.mark(tensor, file, line, tuple(tensor.shape), xla_dtype_name(tensor.dtype),
-                tensor.nbytes, via)
+                tensor.nbytes, via, _version(tensor))
+
+
+def _version(tensor) -> int:
+    """The tensor's version counter (-1: an inference tensor keeps none)."""
+    try:
+        return tensor._version
+    except RuntimeError:
+        return -1
 
 
 def _check_donatable(tensor) -> None:
@@ -149,6 +157,14 @@ def _check_donatable(tensor) -> None:
         lambda: f"donate_buffer: {_describe(tensor)} has pending computation, so it "
         "has no buffer yet. Call xm.mark_step() (or torch_xla.sync()) first to "
         "materialize it, then donate it.",
+    )
+    torch._check_value(
+        ownership.owns_its_buffer(tensor),
+        lambda: f"donate_buffer: {_describe(tensor)} has no buffer of its own yet: it is "
+        "a copy or clone made since the last step (s.clone(), t.copy_(s), "
+        "s.to(device, copy=True), torch.tensor(s), ...), and torch_xla backs it with "
+        "its source's buffer until the next step, so donating it would destroy the "
+        "source. Call torch_xla.sync() first, then donate it.",
     )
     uses = _xla.storage_use_count(tensor)
     torch._check_value(

@@ -98,6 +98,7 @@ def barrier_after(token, result, error):
         # The donor set is fixed: poison the donors the user still holds
         # (one only its entry refers to cannot be used again).
         _C.poison_donors(token.donors)
+        ownership.note_barrier(token.device)
         _devices.dispatched(token.device, token.step if token.wait else token.step - 1)
         verdicts.after_commit(token.device, token.donors, certain=token.wait)
         return result

@@ -32,6 +32,7 @@ frame, as without the plugin.  The step-block hook wraps the public
 ``torch_xla.compile`` (``torch_xla.step()`` calls it), a structural place
 that needs no look at torch_xla's frames.
 """
+import contextlib
 import functools
 import sys
 import threading
@@ -97,70 +98,80 @@ def _barrier_before(*args, **kwargs):
 def barrier_trampoline(real):
     """The plugin's stand-in for the step barrier ``real`` (tests and
     benchmarks put their own ``real`` behind it)."""
-    return _C.Trampoline(real, _barrier_before, commit.barrier_after)
+    return _Wrapped(real, _barrier_before, commit.barrier_after)
 
 
 # -- Step blocks: torch_xla.compile / torch_xla.step() --------------------------
+#
+# torch_xla runs a block as a contextlib context manager: its ``__enter__``
+# flushes pending work (a barrier), the body runs, its ``__exit__`` syncs.
+# The hook takes that very object and gives it a subclass whose ``__enter__``
+# and ``__exit__`` are native trampolines around contextlib's own: they tell
+# this thread's barriers which sync is the flush and which the end (and
+# whether the body raised), and add no Python frame: torch_xla's debug
+# analysis sees the same stack as without the plugin.
 
-class _StepBlock:
-    """``with torch_xla.step():`` and ``with torch_xla.compile():`` as torch_xla
-    runs them, telling the barriers which one is the block's flush and which
-    its end.  Used as a decorator, it wraps the function like
-    ``torch_xla.compile(f)``."""
+def _enter_before(cm):
+    _stack().append(BLOCK_PROLOGUE)
 
-    def __init__(self, args):
-        self._args = args
-        self._cm = None
 
-    def __enter__(self):
-        self._cm = _real_compile(None, *self._args)
-        _stack().append(BLOCK_PROLOGUE)
-        try:
-            self._cm.__enter__()
-        except BaseException:
-            _stack().pop()
-            raise
+def _enter_after(token, result, error):
+    if error is not None:
+        _stack().pop()
+    else:
         _set_current(BLOCK_BODY)
-        return self
+    return result
 
-    def __exit__(self, typ, value, traceback):
-        _set_current(BLOCK_FAILED if typ is not None else BLOCK_EXIT)
-        try:
-            return self._cm.__exit__(typ, value, traceback)
-        finally:
-            _stack().pop()
 
-    def __call__(self, f):
-        return _compile(f, *self._args)
+def _exit_before(cm, typ, value, traceback):
+    _set_current(BLOCK_FAILED if typ is not None else BLOCK_EXIT)
+
+
+def _exit_after(token, result, error):
+    _stack().pop()
+    return result
+
+
+class _StepBlock(contextlib._GeneratorContextManager):
+    __enter__ = _C.Trampoline(contextlib._GeneratorContextManager.__enter__, _enter_before,
+                              _enter_after)
+    __exit__ = _C.Trampoline(contextlib._GeneratorContextManager.__exit__, _exit_before,
+                             _exit_after)
+
+
+class _Wrapped(_C.Trampoline):
+    """A trampoline that carries its function's name and docstring."""
+
+
+def _body_before(*args, **kwargs):
+    _set_current(BLOCK_BODY)
+
+
+def _body_after(token, result, error):
+    _set_current(BLOCK_FAILED if error is not None else BLOCK_EXIT)
+    return result
+
+
+def _call_before(*args, **kwargs):
+    _stack().append(BLOCK_PROLOGUE)
+
+
+def _call_after(token, result, error):
+    _stack().pop()
+    return result
 
 
 def _compile(f=None, full_graph=False, name=None, max_different_graphs=None):
     """``torch_xla.compile`` with the plugin's step-block semantics."""
-    args = (full_graph, name, max_different_graphs)
     if f is None:
-        return _StepBlock(args)
-    if name is None:  # as torch_xla names it: our wrapper must not rename it
+        cm = _real_compile(None, full_graph, name, max_different_graphs)
+        cm.__class__ = _StepBlock  # also what its decorator form recreates per call
+        return cm
+    if name is None:  # as torch_xla names it: the plugin's wrapper must not rename it
         name = getattr(f, "__name__", None) or str(f)
-
-    @functools.wraps(f)
-    def body(*a, **kw):
-        _set_current(BLOCK_BODY)
-        try:
-            out = f(*a, **kw)
-        except BaseException:
-            _set_current(BLOCK_FAILED)
-            raise
-        _set_current(BLOCK_EXIT)
-        return out
-
+    body = functools.update_wrapper(_Wrapped(f, _body_before, _body_after), f)
     compiled = _real_compile(body, full_graph, name, max_different_graphs)
-
-    @functools.wraps(f)
-    def call(*a, **kw):
-        with context(BLOCK_PROLOGUE):
-            return compiled(*a, **kw)
-
-    return call
+    return functools.update_wrapper(_Wrapped(compiled, _call_before, _call_after), f)
 
 
 # -- Installing -----------------------------------------------------------------
@@ -184,7 +195,9 @@ def install(extra=()) -> None:
         current_fn = getattr(_xla._XLAC, name, None)
         if current_fn is None or isinstance(current_fn, _C.Trampoline):
             continue
-        setattr(_xla._XLAC, name, _C.Trampoline(_xla.real(name), before, after))
+        trampoline = _Wrapped(_xla.real(name), before, after)
+        trampoline.__name__ = name
+        setattr(_xla._XLAC, name, trampoline)
     if _real_compile is None:
         _real_compile = _module().compile
         _module().compile = _compile

@@ -10,11 +10,41 @@ it keeps its value.
 """
 import torch
 
-from . import _C
+from . import _C, _xla
 from .errors import DroppedDonationWarning
 from .verdicts import warn_records
 
-__all__ = ["judge_at_commit", "drop", "held_by_autograd"]
+__all__ = ["judge_at_commit", "drop", "held_by_autograd", "owns_its_buffer", "note_barrier"]
+
+
+def owns_its_buffer(t) -> bool:
+    """False for a tensor whose value is still another tensor's device buffer.
+
+    torch_xla backs a copy or clone made since the last barrier (``s.clone()``,
+    ``t.copy_(s)``, ``s.to(device, copy=True)``, ``torch.tensor(s)``) with the
+    source's buffer until a barrier gives it its own: donating the copy then
+    would destroy the source.  torch_xla files a buffer under the tensor that
+    last took it as its own; a buffer uploaded from the host and never read
+    by a graph is filed under nobody and belongs to its one tensor.
+    """
+    owners = _xla.buffer_owner_ids([t])
+    return owners[0] in (_xla.tensor_id(t), _xla.NO_OWNER)
+
+
+# The newest tensor id known to have its own buffer, per device: a barrier
+# gives every live tensor of its device a buffer of its own (copies still
+# sharing their source's take theirs then).  The native fast path marks only
+# tensors at most that old, and sends newer ones here (owns_its_buffer).
+_settled_ids = {}
+
+
+def note_barrier(device) -> None:
+    """After a barrier of ``device``: every tensor older than now has its own
+    buffer there."""
+    probe = torch.empty(0, device=device)
+    _settled_ids[device] = _xla.tensor_id(probe)
+    _C.set_settled_ids(min(_settled_ids.values()) if _xla.local_device_count() == len(
+        _settled_ids) or _xla.local_device_count() == 1 else -1)
 
 
 def held_by_autograd(t) -> bool:
