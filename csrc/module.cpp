@@ -202,8 +202,19 @@ PYBIND11_MODULE(_C, m) {
   // poison.py's and ownership.py's access to the TensorImpl (c10 headers).
   m.def(
       "tag_record",
-      [](py::handle t, py::handle record) { Check(TagTensor(t.ptr(), RecordArg(record.ptr())) == 0); },
-      py::arg("tensor"), py::arg("record"), "Tags the tensor's TensorImpl with its donation record.");
+      [](py::handle t, py::handle record, std::string note) {
+        Check(TagTensor(t.ptr(), RecordArg(record.ptr()), note) == 0);
+      },
+      py::arg("tensor"), py::arg("record"), py::arg("note") = "",
+      "Tags the tensor's TensorImpl with its donation record (and, for a tensor "
+      "taken down with a donation, how).");
+  m.def(
+      "tagged_note",
+      [](py::handle t) -> std::string {
+        uintptr_t impl = ImplOf(t);
+        return impl ? TaggedNote(impl) : std::string();
+      },
+      py::arg("tensor"), "The note of the tensor's record tag, or ''.");
   m.def(
       "tagged_record",
       [](py::handle t) -> py::object {

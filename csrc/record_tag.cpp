@@ -15,10 +15,11 @@ namespace {
 // C++ record only (no Python object), and the backend meta it stood in for.
 class RecordTag final : public c10::BackendMeta {
  public:
-  RecordTag(RecordPtr record, c10::intrusive_ptr<c10::BackendMeta> replaced)
-      : record_(std::move(record)), replaced_(std::move(replaced)) {}
+  RecordTag(RecordPtr record, std::string note, c10::intrusive_ptr<c10::BackendMeta> replaced)
+      : record_(std::move(record)), note_(std::move(note)), replaced_(std::move(replaced)) {}
 
   const RecordPtr& record() const { return record_; }
+  const std::string& note() const { return note_; }
   const c10::intrusive_ptr<c10::BackendMeta>& replaced() const { return replaced_; }
 
   // torch copies a TensorImpl's metadata into its shallow copies (detach,
@@ -31,6 +32,7 @@ class RecordTag final : public c10::BackendMeta {
 
  private:
   RecordPtr record_;
+  std::string note_;
   c10::intrusive_ptr<c10::BackendMeta> replaced_;
 };
 
@@ -40,12 +42,13 @@ RecordTag* TagOf(c10::TensorImpl* impl) {
 
 }  // namespace
 
-bool TagRecord(uintptr_t address, RecordPtr record) {
+bool TagRecord(uintptr_t address, RecordPtr record, std::string note) {
   auto* impl = reinterpret_cast<c10::TensorImpl*>(address);
   try {
     RecordTag* old = TagOf(impl);
     auto replaced = old ? old->replaced() : impl->get_backend_meta_intrusive_ptr();
-    impl->set_backend_meta(c10::make_intrusive<RecordTag>(std::move(record), std::move(replaced)));
+    impl->set_backend_meta(
+        c10::make_intrusive<RecordTag>(std::move(record), std::move(note), std::move(replaced)));
     return true;
   } catch (const std::exception&) {
     return false;
@@ -55,6 +58,11 @@ bool TagRecord(uintptr_t address, RecordPtr record) {
 RecordPtr TaggedRecord(uintptr_t address) {
   RecordTag* tag = TagOf(reinterpret_cast<c10::TensorImpl*>(address));
   return tag ? tag->record() : RecordPtr();
+}
+
+std::string TaggedNote(uintptr_t address) {
+  RecordTag* tag = TagOf(reinterpret_cast<c10::TensorImpl*>(address));
+  return tag ? tag->note() : std::string();
 }
 
 void UntagRecord(uintptr_t address) {

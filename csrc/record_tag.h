@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "ledger.h"
 
@@ -21,11 +22,17 @@ namespace torch_xla_donate {
 
 // Tags the TensorImpl at `impl` with `record`, replacing an earlier tag of
 // ours.  Whatever backend meta it held before is kept aside and comes back
-// with UntagRecord.  False if torch raised.
-bool TagRecord(uintptr_t impl, RecordPtr record);
+// with UntagRecord.  `note` says how a tensor that was not itself marked
+// came to lose its buffer with the donation (ownership.py's companions:
+// "it is parameter 'fc1.weight' of Net, which shared its storage"); empty
+// for the donated tensor.  False if torch raised.
+bool TagRecord(uintptr_t impl, RecordPtr record, std::string note = std::string());
 
 // The record the TensorImpl at `impl` is tagged with, or null.
 RecordPtr TaggedRecord(uintptr_t impl);
+
+// The note of the tag, or "" (no tag, or the donated tensor itself).
+std::string TaggedNote(uintptr_t impl);
 
 // Removes our tag (restoring what it replaced); no tag: nothing happens.
 void UntagRecord(uintptr_t impl);

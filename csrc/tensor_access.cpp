@@ -231,14 +231,14 @@ int Describe(PyObject* t, TensorFacts& facts, std::vector<int64_t>* shape, std::
   return 1;
 }
 
-int TagTensor(PyObject* t, const RecordPtr& record) {
+int TagTensor(PyObject* t, const RecordPtr& record, const std::string& note) {
   uintptr_t impl = 0;
   if (!ImplAddress(t, &impl)) return -1;
   if (impl == 0) {
     PyErr_SetString(PyExc_TypeError, "expected a torch.Tensor");
     return -1;
   }
-  if (!TagRecord(impl, record)) {
+  if (!TagRecord(impl, record, note)) {
     PyErr_SetString(PyExc_TypeError, "cannot tag this tensor with its donation record");
     return -1;
   }

@@ -85,7 +85,7 @@ int Describe(PyObject* t, TensorFacts& facts, std::vector<int64_t>* shape,
              std::string* dtype, int64_t* nbytes);
 
 // Tags t's TensorImpl with `record` (record_tag.h).  0 ok, -1 error.
-int TagTensor(PyObject* t, const RecordPtr& record);
+int TagTensor(PyObject* t, const RecordPtr& record, const std::string& note = std::string());
 // Makes `t` refuse every use (poison.py): its TensorImpl and the one
 // torch_xla sees are tagged with the record, `t` takes the poisoned twin of
 // its class, and the inner tensor gets the Python dispatch key.  0 ok, -1 error.

@@ -166,22 +166,18 @@ def _check_donatable(tensor) -> None:
         "its source's buffer until the next step, so donating it would destroy the "
         "source. Call torch_xla.sync() first, then donate it.",
     )
-    uses = _xla.storage_use_count(tensor)
-    torch._check_value(
-        uses == 1,
-        lambda: f"donate_buffer: {_describe(tensor)} shares its buffer with "
-        f"{uses - 1} other live tensor(s) (views such as t[0:2], aliases such as "
-        "t.detach() or nn.Parameter(t), or an autograd graph that saved it for "
-        "backward). Donating would destroy them too. Delete them first (or run "
-        "backward), or donate a copy made with t.clone() and xm.mark_step().",
-    )
-    torch._check_value(
-        not _held_by_autograd(tensor),
-        lambda: f"donate_buffer: {_describe(tensor)} is saved for backward by a live "
-        "autograd graph (e.g. loss = (w * w).sum() saves w until loss.backward()); "
-        "donated, that backward would fail on a deleted buffer. Call backward first "
-        "(it frees what it saved) or drop the graph (del loss), then donate.",
-    )
+    if _xla.storage_use_count(tensor) > 1 or ownership.held_by_autograd(tensor):
+        # Someone else holds its storage or TensorImpl: who, and may the
+        # donation take them down with it?  (The same judgement the commit
+        # makes, ownership.py; a thread still releasing a finished backward
+        # is waited for first, so this never depends on timing.)
+        ownership.settle_autograd(tensor.device)
+        with ownership.scanning():
+            blockers = ownership.judge(tensor).blockers
+        torch._check_value(
+            not blockers,
+            lambda: f"donate_buffer: cannot donate {_describe(tensor)}: " + "; ".join(blockers) + ".",
+        )
 
 
 def _wraps_others(t) -> bool:
@@ -190,7 +186,6 @@ def _wraps_others(t) -> bool:
     return torch._C._dispatch_keys(t).has(torch._C.DispatchKey.Python)
 
 
-_held_by_autograd = ownership.held_by_autograd
 
 
 def _check_tensor(name, tensor) -> None:

@@ -98,6 +98,8 @@ def barrier_after(token, result, error):
         # The donor set is fixed: poison the donors the user still holds
         # (one only its entry refers to cannot be used again).
         _C.poison_donors(token.donors)
+        if ownership._companions:
+            ownership.poison_companions([record.id for _, record in token.donors])
         ownership.note_barrier(token.device)
         _devices.dispatched(token.device, token.step if token.wait else token.step - 1)
         verdicts.after_commit(token.device, token.donors, certain=token.wait)
@@ -136,8 +138,8 @@ def arm(donors) -> list:
         return donors
     armed, refused = _C.arm(donors)
     if refused:
-        ownership.drop(refused, "torch_xla refused it as a donor: its value is not plain "
-                                "device data (a view, or a copy that has not run)")
+        ownership.drop(refused, "torch_xla refused them as donors: their values are not "
+                                "plain device data (a view, or a copy that has not run)")
     return armed
 
 

@@ -43,7 +43,7 @@ import threading
 
 import torch
 
-from . import _C, _xla, commit, executions, failures, poison, verdicts
+from . import _C, _xla, commit, executions, failures, ownership, poison, verdicts
 from .hook_lock import lock
 from .sites import user_site
 
@@ -98,6 +98,8 @@ class _CompiledGraph:
         if donors:
             with lock:
                 _C.poison_donors(donors)
+                if ownership._companions:
+                    ownership.poison_companions([record.id for _, record in donors])
                 verdicts.after_commit(donors[0][0].device, donors, certain=False)
         return result
 

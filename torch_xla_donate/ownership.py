@@ -1,21 +1,333 @@
 """Who else holds a marked tensor's buffer, and what that means for its
 donation.
 
-Donating a buffer destroys it for every tensor that holds it.  At the commit
-(where the holders may be new since marking), a marked tensor whose storage
-another live tensor shares (a view, ``t.detach()``, ``nn.Parameter(t)``), or
-whose TensorImpl a live autograd graph saved for backward, is not donated:
-its mark is dropped with a ``DroppedDonationWarning`` naming the holder, and
-it keeps its value.
+Donating a buffer destroys it for every tensor that holds it.  Most marked
+tensors are held by nobody else, which c10's use counts say in nanoseconds
+(``_C.split_committed``, ``_C.try_mark``).  When they say otherwise, this
+module looks at who the holders are, and decides the same way at marking
+and at the commit (where the holders may be new):
+
+* A holder only autograd's worker thread still has.  For a few milliseconds
+  after ``torch.func.grad`` returns, that thread is still releasing the
+  graph's references.  ``settle_autograd`` waits for it (it runs a tiny
+  backward on the same device queue, which the thread takes only once it is
+  done with the previous one), so the outcome never depends on timing.
+* Parameters and buffers of an ``nn.Module`` that share the tensor's storage
+  (the torch.func tutorial's ``{k: v.detach() for k, v in
+  model.named_parameters()}``), and a leaf that a finished autograd graph
+  still accumulates into (``w = w.detach()`` while ``loss`` is alive):
+  taken down with the donation.  They are *companions*: poisoned with it,
+  so ``model(x)`` raises ``DonatedBufferError`` naming the parameter, and
+  given back with it if the donation goes unused.
+* Anything else alive (a view or alias the user holds, a graph that saved
+  the tensor for backward, a parameter's ``.grad`` slot) keeps the donation
+  from happening: ``donate_buffer`` raises a ``ValueError`` naming the
+  holder and the fix; at the commit the mark is dropped with a
+  ``DroppedDonationWarning`` naming it; the tensor keeps its value.
+
+Finding holders walks the objects Python's garbage collector tracks (about
+50 ms in a process with torch_xla loaded), so it runs only when a use count
+says there is one, once per call (``scan()`` caches it).
+
+torch_xla also backs copies (``load_state_dict``, ``copy_``,
+``t.to(device, copy=True)``) with their source's device buffer, invisibly to
+c10.  A marked copy that has not been through a barrier yet is refused
+(``owns_its_buffer``); sharing older than the last barrier cannot be seen
+from outside torch_xla (README, "Limits").
 """
+import contextlib
+import gc
+import threading
+
 import torch
 
-from . import _C, _xla
+from . import _C, _xla, poison
+from .dtypes import xla_dtype_name
 from .errors import DroppedDonationWarning
-from .verdicts import warn_records
+from .messages import warn_records
 
-__all__ = ["judge_at_commit", "drop", "held_by_autograd", "owns_its_buffer", "note_barrier"]
+__all__ = ["judge", "judge_at_commit", "drop", "held_by_autograd", "owns_its_buffer",
+           "note_barrier", "settle_autograd", "scan", "poison_companions"]
 
+
+def held_by_autograd(t) -> bool:
+    """True when C++ code besides ``t`` itself holds ``t``'s TensorImpl: an
+    autograd graph that saved it for backward (``w * w`` saves ``w``), or a
+    parameter's ``.grad`` slot.
+
+    Python references do not count, and neither does the AccumulateGrad node a
+    leaf that requires grad gets once a graph uses it (it never reads the
+    value).  Not a tensor: False.
+
+    >>> w = torch.ones(2, requires_grad=True)
+    >>> held_by_autograd(w)
+    False
+    >>> loss = (w * w).sum()
+    >>> held_by_autograd(w)
+    True
+    >>> loss.backward()
+    >>> held_by_autograd(w)
+    False
+    """
+    if not isinstance(t, torch.Tensor):
+        return False
+    return t._use_count() > 1 + (t.is_leaf and t.requires_grad)
+
+
+def settle_autograd(device) -> None:
+    """Waits until autograd's worker thread for ``device`` has released the
+    graphs of the backward passes it finished.
+
+    The thread drops its last references to a graph (and the tensors the
+    graph saved) a moment after the caller of ``grad()``/``backward()`` got
+    its result.  A backward on the same device is queued behind that: once
+    it has run, the earlier graph is gone.  Nothing is executed on the
+    device (the lazy result is dropped).
+    """
+    x = torch.zeros((), device=device, requires_grad=True)
+    torch.autograd.grad(x * 1.0, x)
+
+
+# -- Holders ----------------------------------------------------------------------
+
+class Judgement:
+    """What the holders of one tensor mean for its donation: ``companions``
+    (tensor, note) are taken down with it; ``blockers`` (descriptions) keep
+    it from being donated."""
+
+    __slots__ = ("companions", "blockers")
+
+    def __init__(self):
+        self.companions, self.blockers = [], []
+
+
+def judge(t) -> Judgement:
+    """Looks at who else holds ``t``'s storage or TensorImpl (see the module
+    docstring).  ``settle_autograd`` should have run first."""
+    result = Judgement()
+    storage_uses, impl_uses = _C.use_counts(t) or (1, 1)
+    if storage_uses > 1:
+        # Views and aliases hold their base's TensorImpl too (twice, on XLA):
+        # the autograd question is asked once they are accounted for.
+        _judge_aliases(t, storage_uses - 1, result)
+    elif held_by_autograd(t):
+        slot = scan().grad_slot_of(t)
+        if slot is not None:
+            result.blockers.append(
+                f"it is the .grad of {slot}, which keeps holding it: take it out of the "
+                "slot first (g = p.grad; p.grad = None), then donate g")
+        else:
+            result.blockers.append(
+                "it is saved for backward by a live autograd graph (e.g. loss = "
+                "(w * w).sum() saves w until loss.backward()); donated, that backward would "
+                "fail on a deleted buffer. Call backward first (it frees what it saved), or "
+                "drop the graph (del loss)")
+    return result
+
+
+def _judge_aliases(t, others, result) -> None:
+    s = scan()
+    address = _C.storage_address(t)
+    found = 0
+    for alias in s.sharing(address, t):
+        found += 1
+        name = s.module_name(alias)
+        if name is not None:
+            result.companions.append((alias, f"it is {name}, which shared its storage with "
+                                             "the donated tensor"))
+        elif s.accumulated(alias):
+            result.companions.append((alias, "it is a leaf a finished autograd graph "
+                                             "accumulates gradients into, which shared its "
+                                             "storage with the donated tensor"))
+        else:
+            blocker = (
+                "it shares its buffer with a live view or alias (t[0:2], t.detach(), "
+                "nn.Parameter(t), a state_dict(), ...), which donating would destroy too: "
+                "delete it first, or donate a copy (t.clone(), then a step)")
+            if blocker not in result.blockers:
+                result.blockers.append(blocker)
+    if others > found:
+        result.blockers.append(
+            "it shares its buffer with tensors only C++ code holds: most likely an autograd "
+            "graph that saved it for backward (or a view of it); call backward first, or "
+            "drop the graph")
+
+
+def _shape(t) -> str:
+    return f"{xla_dtype_name(t.dtype)}[{','.join(str(d) for d in t.shape)}]"
+
+
+class _Scan:
+    """One walk over the objects the garbage collector tracks: live tensors,
+    the modules holding them, and the leaves autograd graphs accumulate into."""
+
+    def __init__(self):
+        objects = gc.get_objects()
+        # issubclass(type(o), ...), not isinstance: isinstance asks some
+        # objects for a __class__ property, which may warn or compute.
+        self.tensors = [o for o in objects if issubclass(type(o), torch.Tensor)]
+        modules = [o for o in objects if issubclass(type(o), torch.nn.Module)]
+        del objects
+        self._names = {}
+        for m in modules:
+            for kind, named in (("parameter", m.named_parameters()), ("buffer", m.named_buffers())):
+                for name, p in named:
+                    label = f"{kind} '{name}' of {type(m).__name__}"
+                    # The root-most module gives the longest, most telling name.
+                    if len(label) > len(self._names.get(id(p), "")):
+                        self._names[id(p)] = label
+        self._leaves = None
+
+    def sharing(self, address, t):
+        seen = {id(t)}
+        for o in self.tensors + self._accumulated_leaves():
+            if id(o) not in seen and _storage_of(o) == address:
+                seen.add(id(o))
+                yield o
+
+    def module_name(self, t):
+        return self._names.get(id(t))
+
+    def accumulated(self, t) -> bool:
+        return any(t is leaf for leaf in self._accumulated_leaves())
+
+    def _accumulated_leaves(self) -> list:
+        """The variables of the AccumulateGrad nodes of every graph a live
+        tensor roots."""
+        if self._leaves is None:
+            leaves, seen = [], set()
+            todo = [f for f in (_attribute(t, "grad_fn") for t in self.tensors) if f is not None]
+            while todo:
+                node = todo.pop()
+                if node is None or id(node) in seen:
+                    continue
+                seen.add(id(node))
+                variable = getattr(node, "variable", None)
+                if isinstance(variable, torch.Tensor):
+                    leaves.append(variable)
+                todo.extend(n for n, _ in node.next_functions)
+            self._leaves = leaves
+        return self._leaves
+
+    def grad_slot_of(self, t):
+        for o in self.tensors:
+            if o is not t and _attribute(o, "is_leaf") and _attribute(o, "grad") is t:
+                name = self._names.get(id(o))
+                return f"the {name}" if name else f"a tensor {_shape(o)}"
+        return None
+
+
+def _attribute(t, name):
+    """``t.<name>``, or None where torch refuses (an undefined tensor)."""
+    try:
+        return getattr(t, name)
+    except RuntimeError:
+        return None
+
+
+def _storage_of(t) -> int:
+    """The address of ``t``'s StorageImpl; 0 for none (or a tensor torch
+    cannot describe, as found among the garbage collector's objects)."""
+    try:
+        return _C.storage_address(t)
+    except (RuntimeError, TypeError):
+        return 0
+
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def scanning():
+    """Within it, ``scan()`` walks the objects once and reuses the result."""
+    _local.depth = getattr(_local, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _local.depth -= 1
+        if _local.depth == 0:
+            _local.scan = None
+
+
+def scan() -> _Scan:
+    cached = getattr(_local, "scan", None)
+    if cached is None:
+        cached = _Scan()
+        if getattr(_local, "depth", 0):
+            _local.scan = cached
+    return cached
+
+
+# -- At the commit ----------------------------------------------------------------
+
+def judge_at_commit(held) -> list:
+    """Decides the committed entries ``split_committed`` found held by
+    another tensor or by autograd; returns those that may be donated after
+    all (their companions registered), settling the others CANCELLED."""
+    settle_autograd(held[0][0].device)
+    donors, dropped = [], {}
+    with scanning():
+        for entry in held:
+            judgement = judge(entry[0])
+            if judgement.blockers:
+                dropped.setdefault("; ".join(judgement.blockers), []).append(entry)
+            else:
+                donors.append(entry)
+                register_companions(entry[1], judgement.companions)
+    for why, entries in dropped.items():
+        drop(entries, why)
+    return donors
+
+
+def drop(entries, why: str) -> None:
+    """Settles ``entries`` CANCELLED (value kept) with one warning."""
+    for _, record in entries:
+        _C.settle(record, _C.Verdict.CANCELLED)
+    warn_records(
+        DroppedDonationWarning,
+        "Donations dropped before a step{at_step}: {items}. Since they were marked, " + why
+        + ". These tensors keep their values.",
+        [record for _, record in entries],
+    )
+
+
+# -- Companions: taken down with a donation ---------------------------------------
+
+_companions = {}  # record id -> (record, [(tensor, note)])
+
+
+def register_companions(record, companions) -> None:
+    if companions:
+        _companions[record.id] = (record, list(companions))
+
+
+def poison_companions(records_ids) -> None:
+    """After the execution: the companions of these donations share their
+    fate (provisionally, as the donors do, until the verdict)."""
+    for rid in records_ids:
+        entry = _companions.get(rid)
+        if entry is not None:
+            record, companions = entry
+            for t, note in companions:
+                poison.poison(t, record, note)
+
+
+def settle_companions() -> None:
+    """Companions of donations judged since: given back with an unused or
+    failed donation, kept poisoned with a consumed one, forgotten."""
+    if not _companions:
+        return
+    for rid, (record, companions) in list(_companions.items()):
+        if record.verdict in (_C.Verdict.MARKED, _C.Verdict.IN_FLIGHT):
+            continue
+        del _companions[rid]
+        if record.verdict != _C.Verdict.CONSUMED:
+            for t, _ in companions:
+                if poison.is_poisoned(t):
+                    poison.unpoison(t)
+
+
+# -- Copies sharing their source's buffer -----------------------------------------
 
 def owns_its_buffer(t) -> bool:
     """False for a tensor whose value is still another tensor's device buffer.
@@ -34,7 +346,7 @@ def owns_its_buffer(t) -> bool:
 # The newest tensor id known to have its own buffer, per device: a barrier
 # gives every live tensor of its device a buffer of its own (copies still
 # sharing their source's take theirs then).  The native fast path marks only
-# tensors at most that old, and sends newer ones here (owns_its_buffer).
+# tensors at most that old, and sends newer ones to owns_its_buffer.
 _settled_ids = {}
 
 
@@ -43,57 +355,5 @@ def note_barrier(device) -> None:
     buffer there."""
     probe = torch.empty(0, device=device)
     _settled_ids[device] = _xla.tensor_id(probe)
-    _C.set_settled_ids(min(_settled_ids.values()) if _xla.local_device_count() == len(
-        _settled_ids) or _xla.local_device_count() == 1 else -1)
-
-
-def held_by_autograd(t) -> bool:
-    """True when C++ code besides ``t`` itself holds ``t``'s TensorImpl: an
-    autograd graph that saved it for backward (``w * w`` saves ``w``).
-
-    Python references do not count, and neither does the AccumulateGrad node a
-    leaf that requires grad gets once a graph uses it (it never reads the
-    value).  Decided only while no view or alias shares ``t``'s storage: views
-    hold their base too (twice, on XLA), and a shared storage is judged
-    apart.  Not a tensor: False.
-
-    >>> w = torch.ones(2, requires_grad=True)
-    >>> held_by_autograd(w)
-    False
-    >>> loss = (w * w).sum()
-    >>> held_by_autograd(w)
-    True
-    >>> loss.backward()
-    >>> held_by_autograd(w)
-    False
-    """
-    if not isinstance(t, torch.Tensor):
-        return False
-    if t._use_count() <= 1 + (t.is_leaf and t.requires_grad):
-        return False  # the common case, cheaply
-    try:
-        return torch._C._storage_Use_Count(t.untyped_storage()._cdata) == 1
-    except RuntimeError:  # no storage (a wrapper subclass): other checks say why
-        return False
-
-
-def judge_at_commit(held) -> list:
-    """Decides the committed entries ``split_committed`` found held by
-    another tensor or by autograd; returns those that may be donated after
-    all, settling the others CANCELLED."""
-    drop(held, "a view or alias of it was created after it was marked (t[...], "
-               "t.detach(), ...) or an autograd graph saved it for backward, and is "
-               "still alive; donating would destroy it too")
-    return []
-
-
-def drop(entries, why: str) -> None:
-    """Settles ``entries`` CANCELLED (value kept) with one warning."""
-    for _, record in entries:
-        _C.settle(record, _C.Verdict.CANCELLED)
-    warn_records(
-        DroppedDonationWarning,
-        "Donations dropped before a step{at_step}: {items}. " + why + ". These "
-        "tensors keep their values.",
-        [record for _, record in entries],
-    )
+    every_device = len(_settled_ids) >= _xla.local_device_count()
+    _C.set_settled_ids(min(_settled_ids.values()) if every_device else -1)

@@ -109,9 +109,10 @@ def _inner(t):
     return torch._from_functional_tensor(t) if torch._is_functional_tensor(t) else t
 
 
-def poison(t: torch.Tensor, record) -> None:
+def poison(t: torch.Tensor, record, note: str = "") -> None:
     """Makes ``t`` refuse use; ``record`` is its ledger entry (in flight or
-    consumed).
+    consumed), ``note`` says how ``t`` lost its buffer when it was not the
+    donated tensor itself (ownership.py's companions).
 
     The record rides on the TensorImpls (csrc/record_tag.h), not in
     ``t.__dict__``: a dict per donated tensor and step would double the
@@ -121,7 +122,7 @@ def poison(t: torch.Tensor, record) -> None:
     """
     inner = _inner(t)
     for x in _both(t, inner):
-        _C.tag_record(x, record)
+        _C.tag_record(x, record, note)
         if not isinstance(x, _DonatedTensor):
             x.__class__ = _poison_class_for(type(x), refuses_operators=x is inner)
     _C.set_python_dispatch(inner, True)
@@ -183,6 +184,15 @@ def _settled_consumed(t) -> bool:
 
 def donated_error(t) -> DonatedBufferError:
     record = donation_record(t)
+    note = _C.tagged_note(_inner(t))
+    if note:  # a companion: taken down with another tensor's donation
+        return DonatedBufferError(
+            f"This tensor ({_shape(t)}) lost its buffer with a donation: {note}. "
+            f"{record.via} at {record.where} donated that buffer ({record.shape_string}) "
+            f"and step {record.step} reused it for an output, so this value is gone "
+            f"too. Use the step's results instead (for a module, load them into it), "
+            f"or donate a copy that shares nothing with it."
+        )
     return DonatedBufferError(
         f"This tensor ({record.shape_string}, {record.nbytes} bytes) was donated by "
         f"{record.via} at {record.where}, and step {record.step} reused its "
@@ -190,6 +200,12 @@ def donated_error(t) -> DonatedBufferError:
         f"or, if you still need this tensor, do not donate it (undonate(t) cancels a "
         f"mark before the step)."
     )
+
+
+def _shape(t) -> str:
+    from .dtypes import xla_dtype_name
+
+    return f"{xla_dtype_name(t.dtype)}[{','.join(str(d) for d in t.shape)}]"
 
 
 def _donated_in(args, kwargs):

@@ -47,7 +47,7 @@ import warnings
 import torch
 import torch.utils._pytree as pytree
 
-from . import _C, _xla, api, config, dynamo
+from . import _C, _xla, api, config, dynamo, ownership
 from .hook_lock import lock
 from .sites import user_site, user_stacklevel
 from .errors import DonatedBufferError
@@ -104,6 +104,12 @@ def _donate_named(named_trees, where, via) -> int:
     marked = _donate_plain(named_trees, where, via)
     if marked >= 0:
         return marked
+    with ownership.scanning():  # one look at the holders for the whole tree
+        return _donate_checked(named_trees, where, via)
+
+
+def _donate_checked(named_trees, where, via) -> int:
+    """``_donate_named`` path by path: every error names its leaf."""
     leaves = _tensor_leaves(named_trees)
     for path, tensor in leaves:
         _checked(path, api._check_donatable, tensor)

@@ -19,15 +19,12 @@ A verdict is:
 torch_xla's donor flag was cleared as soon as the execution had built its
 graph (commit.py), so an unused donation cannot fire at a later step.
 """
-import warnings
-from collections import Counter
-
-from . import _C, _xla, config, devices, failures, poison
+from . import _C, _xla, config, devices, failures, ownership, poison
 from .errors import UnusedDonationError, UnusedDonationWarning
 from .hook_lock import lock
-from .sites import user_stacklevel
+from .messages import warn_records
 
-__all__ = ["after_commit", "settle_in_flight", "settled_listeners", "warn_records"]
+__all__ = ["after_commit", "settle_in_flight", "settled_listeners"]
 
 # (tensor, record) _C.Entry of committed donations whose verdict is not known yet.
 _in_flight = []
@@ -39,6 +36,7 @@ settled_listeners = []
 
 
 def notify_settled() -> None:
+    ownership.settle_companions()
     for listener in settled_listeners:
         listener()
 
@@ -172,42 +170,3 @@ def _warn_unused(records) -> None:
         "their values and are no longer marked.",
         records,
     )
-
-
-def warn_records(category, template, records) -> None:
-    """Warns (or raises, for an exception category) naming ``records``: each
-    shape once with its count and the places that marked it.
-
-    No step number in a warning: a loop that repeats the same unusable
-    donation must repeat the same text, which Python's default filter then
-    shows once.  A text per step would be shown, and remembered in the
-    caller's ``__warningregistry__``, at every step, without bound.
-    """
-    items = _describe(records)
-    if issubclass(category, Exception) and not issubclass(category, Warning):
-        raise category(template.format(at_step=f" at step {records[0].step}", items=items))
-    warnings.warn(template.format(at_step="", items=items), category, stacklevel=user_stacklevel())
-
-
-def _describe(records) -> str:
-    """``16 x f32[1024,1024] (donated at train.py:12)``, shapes in order of
-    first appearance, at most 8 distinct shapes.
-
-    >>> R = type("R", (), {})
-    >>> rs = [R(), R(), R()]
-    >>> for r, s in zip(rs, ["f32[3]", "f32[3]", "s64[2]"]):
-    ...     r.shape_string, r.where = s, "t.py:1"
-    >>> _describe(rs)
-    '2 x f32[3] (donated at t.py:1), s64[2] (donated at t.py:1)'
-    """
-    groups = {}
-    for r in records:
-        counts = groups.setdefault(r.shape_string, Counter())
-        counts[r.where] += 1
-    parts = []
-    for shape, places in list(groups.items())[:8]:
-        n = sum(places.values())
-        where = ", ".join(list(places)[:3]) + (" ..." if len(places) > 3 else "")
-        parts.append(f"{f'{n} x ' if n > 1 else ''}{shape} (donated at {where})")
-    more = len(groups) - 8
-    return ", ".join(parts) + (f", and {more} more shape(s)" if more > 0 else "")
