@@ -136,6 +136,8 @@ PyObject* IsDonatable(PyObject*, PyObject* t) {
   if (!g_hooks.torch_bound()) Py_RETURN_FALSE;
   TensorFacts facts;
   if (CommonChecks(t, &facts) != 1) return FalseClearingErrors();
+  const int64_t id = TensorId(t);
+  if (id < 0 || id > g_settled_ids) return FalseClearingErrors();  // look closer
   if (facts.symbolic_sizes || facts.sizes.empty()) Py_RETURN_FALSE;  // 0-dim: api refuses it
   if (HasPendingIr(t) != 0) return FalseClearingErrors();
   Py_RETURN_TRUE;

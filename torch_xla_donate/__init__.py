@@ -26,6 +26,7 @@ from .errors import (
 from .integrations import ParameterDonationError
 from . import report
 from .report import last_step_report, metrics_report, summary
+from .verdicts import settle_in_flight as settle
 
 __all__ = [
     "donate_buffer",
@@ -41,6 +42,7 @@ __all__ = [
     "DroppedDonationWarning",
     "DonationDisabledWarning",
     "ParameterDonationError",
+    "settle",
     "last_step_report",
     "summary",
     "metrics_report",

@@ -197,11 +197,13 @@ class _Scan:
         if self._leaves is None:
             leaves, seen = [], set()
             todo = [f for f in (_attribute(t, "grad_fn") for t in self.tensors) if f is not None]
+            kept = []  # node wrappers are made on access: keep them, or ids repeat
             while todo:
                 node = todo.pop()
                 if node is None or id(node) in seen:
                     continue
                 seen.add(id(node))
+                kept.append(node)
                 variable = getattr(node, "variable", None)
                 if isinstance(variable, torch.Tensor):
                     leaves.append(variable)

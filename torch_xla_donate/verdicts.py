@@ -122,7 +122,13 @@ def settle_one(t, record) -> None:
 
 
 def settle_in_flight() -> None:
-    """Settles every open verdict, waiting for the device if needed."""
+    """Settles every open verdict, waiting for the device if needed
+    (``torch_xla_donate.settle()``).
+
+    After ``torch_xla.sync(wait=False)`` a step's verdicts are known only
+    once it has been dispatched; reports and counts taken after this are
+    final.  Unused donations warn here (raise in strict mode).
+    """
     global _in_flight
     with lock:
         entries, _in_flight = _in_flight, []
