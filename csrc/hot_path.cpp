@@ -68,6 +68,7 @@ struct Candidate {
   std::string dtype;
   int64_t nbytes = 0;
   int64_t version = -1;
+  bool is_functional = false;
 };
 
 // The checks (plain XLA tensor, no view, no alias, not held by autograd,
@@ -86,8 +87,14 @@ bool Prepare(PyObject* t, Candidate* c) {
   }
   c->tensor = t;
   c->version = facts.version;
+  c->is_functional = facts.is_functional;
   return true;
 }
+
+// Pending computation?  For a functional tensor the id check of Prepare has
+// answered already: computed or updated in place since the last barrier, it
+// wraps an XLA tensor newer than that barrier.  1 / 0, -1 on error.
+int Pending(const Candidate& c) { return c.is_functional ? 0 : HasPendingIr(c.tensor); }
 
 Via ViaArg(PyObject* const* args, Py_ssize_t nargs, Py_ssize_t i) {
   if (nargs <= i) return Via::kDonateBuffer;
@@ -125,7 +132,7 @@ PyObject* TryMark(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   FilePtr file;
   int line = 0;
   if (!ResolveWhere(args[1], &file, &line)) return nullptr;  // caller's bug
-  if (HasPendingIr(t) != 0) return FalseClearingErrors();
+  if (Pending(c) != 0) return FalseClearingErrors();
   MarkCandidate(std::move(c), file, line, ViaArg(args, nargs, 2));
   Py_RETURN_TRUE;
 }
@@ -175,7 +182,7 @@ PyObject* TryMarkAll(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     }
     Candidate c;
     if (!Prepare(t, &c)) return PyLong_FromLong(-1);
-    probe.append(py::handle(t));
+    if (!c.is_functional) probe.append(py::handle(t));  // see Pending()
     if (!c.shape.empty()) todo.push_back(std::move(c));  // a scalar is skipped
   }
   if (probe.size() > 0) {
@@ -306,20 +313,28 @@ void Disarm(py::list entries) {
   }
 }
 
-// After the real execution: poison each donor the user still holds.  No
-// verdict yet, even for a buffer that reads as deleted already: while the
-// step is being dispatched, XLA holds a donated buffer in a way that reads
-// as deleted, and gives it back if the step then fails.  Only a deletion
-// seen once the step was dispatched is certain (verdicts.py).  A donor that
-// nothing but its entry refers to is left as it is: nobody can use it again.
-void PoisonDonors(py::list donors) {
+// After the real execution has built its graph: clear the donor flag of
+// each donor the user still holds, and poison it.  No verdict yet, even for
+// a buffer that reads as deleted already: while the step is being
+// dispatched, XLA holds a donated buffer in a way that reads as deleted, and
+// gives it back if the step then fails.  Only a deletion seen once the step
+// was dispatched is certain (verdicts.py).
+//
+// A donor that nothing but its entry refers to is left as it is: no code can
+// put it into another graph, so its flag (on a buffer that is deleted, or
+// freed with the entry) can arm nothing, and poisoning it would only make
+// freeing it dearer.  The typical loop rebinds its names, and then this
+// costs no torch_xla call at all.
+void DisarmAndPoison(py::list donors) {
   RequireBound();
   for (size_t i = 0, n = donors.size(); i < n; ++i) {
     PyObject* rec;
     PyObject* t = TensorOf(PyList_GET_ITEM(donors.ptr(), i), &rec);
     int unreachable = OnlyHeldByItsEntry(t);
     Check(unreachable >= 0);
-    if (!unreachable) Check(Poison(t, rec) == 0);
+    if (unreachable) continue;
+    if (SetDonor(t, false) < 0) PyErr_Clear();
+    Check(Poison(t, rec) == 0);
   }
 }
 
@@ -369,7 +384,7 @@ void RegisterHotPath(PyObject* module) {
         py::arg("pending"));
   m.def("arm", &Arm, py::arg("donors"));
   m.def("disarm", &Disarm, py::arg("entries"));
-  m.def("poison_donors", &PoisonDonors, py::arg("donors"));
+  m.def("disarm_and_poison", &DisarmAndPoison, py::arg("donors"));
   m.def("settle_entries", &SettleEntries, py::arg("entries"), py::arg("certain"));
 }
 

@@ -16,6 +16,9 @@ namespace torch_xla_donate {
 
 struct TensorFacts {
   bool is_xla = false;
+  // A functional wrapper (torch_xla's default): an in-place update replaces
+  // the XLA tensor it wraps, which then has a new torch_xla id.
+  bool is_functional = false;
   // Tensors sharing the storage (1: no live views or aliases); 0 when the
   // tensor has no storage (a wrapper subclass).
   long storage_use_count = 0;

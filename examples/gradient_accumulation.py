@@ -98,10 +98,11 @@ def main():
         if step % 10 == 0 or step == args.steps - 1:
             print(f"step {step:3d}  loss {losses[-1]:.4f}  state in the same buffers: {same[-1]}")
 
-    stats = tdx._C.totals()
+    tdx.settle()
+    stats = tdx.summary().totals
     print(f"loss: {losses[0]:.4f} -> {losses[-1]:.4f}")
     print(f"state kept its buffers on {sum(same)} of {len(same)} steps")
-    print(f"reused by donation: {stats['consumed']} buffers, {stats['consumed_bytes'] / 2**20:.1f} MiB")
+    print(f"reused by donation: {stats.reused} buffers, {stats.reused_bytes / 2**20:.1f} MiB")
 
     try:
         tdx.donate_buffer(model.b)

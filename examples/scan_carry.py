@@ -83,8 +83,9 @@ def main():
     growth = peak_rss_mib() - base
     for step, ptr in enumerate(pointers):
         print(f"step {step}: carry at {ptr:#x} same buffer: {ptr == first}")
-    stats = tdx._C.totals()
-    print(f"reused by donation: {stats['consumed']} buffers, {stats['consumed_bytes'] / MIB:.0f} MiB "
+    tdx.settle()
+    stats = tdx.summary().totals
+    print(f"reused by donation: {stats.reused} buffers, {stats.reused_bytes / MIB:.0f} MiB "
           f"the steps did not allocate again")
     print(f"peak memory growth over the loop ({'donated' if donate else 'not donated'}): {growth:.0f} MiB")
     print(f"carry[0, :3]: {carry[0, :3].cpu().tolist()}")

@@ -11,7 +11,7 @@ poisoned (using one raises ``DonatedBufferError``).
 
 The data set ships with scikit-learn (1797 8x8 images, no download).  At the
 end the script prints the test accuracy and what donation saved, from the
-plugin's ledger (``torch_xla_donate._C.totals()``).
+plugin's report (``torch_xla_donate.summary()``).
 """
 import argparse
 import math
@@ -28,7 +28,6 @@ import torch_xla  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
 
 import torch_xla_donate as tdx  # noqa: E402
-from torch_xla_donate import step_hook  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -199,12 +198,12 @@ def main(argv=None):
     train_seconds = time.perf_counter() - start
 
     test_acc = accuracy(params, x_test, y_test, device)
-    step_hook.settle_in_flight()  # the last step's verdicts
+    tdx.settle()  # the last step's verdicts
     report(args, test_acc, train_seconds, args.epochs * steps_per_epoch, params, opt_state)
 
 
 def report(args, test_acc, seconds, steps, params, opt_state):
-    totals = tdx._C.totals()
+    totals = tdx.summary().totals
     # The Adam step counter is a 0-dim scalar: donate() skips scalars (they
     # save nothing and torch_xla may share their device buffer).
     state_tensors = list(params.values())
@@ -217,11 +216,11 @@ def report(args, test_acc, seconds, steps, params, opt_state):
     if not args.donate:
         print("donation: off (--no-donate); every step allocated a new copy of the state")
         return
-    per_step = totals["consumed_bytes"] / steps
-    reused = 100 * totals["consumed_bytes"] / max(totals["donated_bytes"], 1)
-    print(f"donation: {totals['donated']} buffers donated, {totals['consumed']} reused "
-          f"by step outputs, {totals['unused']} unused")
-    print(f"reused bytes: {totals['consumed_bytes']} in total, {per_step:.0f} per step "
+    per_step = totals.reused_bytes / steps
+    reused = 100 * totals.reused_bytes / max(totals.donated_bytes, 1)
+    print(f"donation: {totals.donated} buffers donated, {totals.reused} reused "
+          f"by step outputs, {totals.unused} unused")
+    print(f"reused bytes: {totals.reused_bytes} in total, {per_step:.0f} per step "
           f"({reused:.1f}% of the donated bytes): the steps wrote the new state into "
           f"the old buffers instead of allocating {per_step / 1024:.1f} KiB each")
 

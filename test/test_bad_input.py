@@ -39,11 +39,24 @@ NOT_TENSORS = {
 
 
 @pytest.mark.parametrize("bad", NOT_TENSORS.values(), ids=NOT_TENSORS.keys())
-@pytest.mark.parametrize("fn", [tdx.donate_buffer, tdx.undonate, tdx.is_donated, tdx.is_deleted],
+@pytest.mark.parametrize("fn", [tdx.donate_buffer, tdx.is_donated, tdx.is_deleted],
                          ids=lambda f: f.__name__)
 def test_not_a_tensor_is_a_type_error_everywhere(fn, bad):
     with pytest.raises(TypeError, match=rf"{fn.__name__} expects a torch.Tensor, got \w+\.$"):
         fn(bad)
+    assert _C.marked_count() == 0
+
+
+@pytest.mark.parametrize("bad", NOT_TENSORS.values(), ids=NOT_TENSORS.keys())
+def test_undonate_takes_what_donate_takes(bad):
+    # undonate takes trees as donate does: the same objects are refused
+    # (an opaque root) or hold nothing to cancel.
+    if isinstance(bad, np.ndarray):
+        for fn in (tdx.donate, tdx.undonate):
+            with pytest.raises(TypeError, match=rf"{fn.__name__}: tree is a ndarray.*register_pytree_node"):
+                fn(bad)
+    else:
+        assert tdx.undonate(bad) == 0 and tdx.donate(bad) == 0
     assert _C.marked_count() == 0
 
 

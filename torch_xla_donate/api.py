@@ -188,38 +188,48 @@ def _wraps_others(t) -> bool:
 
 
 
-def _check_tensor(name, tensor) -> None:
-    """TypeError unless ``tensor`` is a tensor, pointing containers at ``donate``."""
+def _check_tensor(name, tensor, tree_form="donate(tree)") -> None:
+    """TypeError unless ``tensor`` is a tensor, pointing containers at the
+    call that takes trees."""
     if isinstance(tensor, torch.Tensor):
         return
     hint = ""
     items = tensor.values() if isinstance(tensor, dict) else tensor
-    if isinstance(tensor, (torch.nn.Module, torch.optim.Optimizer)) or (
+    if tree_form is None:
+        pass  # a question about one tensor
+    elif isinstance(tensor, (torch.nn.Module, torch.optim.Optimizer)) or (
         isinstance(tensor, (list, tuple, dict))
         and any(isinstance(x, (torch.Tensor, list, tuple, dict)) for x in items)
     ):
         hint = (" For the tensors of a list, dict, module, optimizer or any pytree, "
-                "use torch_xla_donate.donate(tree).")
+                f"use torch_xla_donate.{tree_form}.")
     raise TypeError(f"{name} expects a torch.Tensor, got {type(tensor).__name__}.{hint}")
 
 
-def undonate(tensor: torch.Tensor) -> bool:
-    """Cancels ``donate_buffer(tensor)`` before the step; returns whether a
-    mark was cancelled.
+def undonate(tree):
+    """Cancels marks made before the step.
 
-    Raises ``DonatedBufferError`` if the step already consumed the buffer:
-    too late to cancel.
+    ``tree`` is what ``donate`` takes: a tensor (returning whether it was
+    marked), or a pytree, ``nn.Module`` or optimizer (returning how many of
+    its tensors were).  Raises ``DonatedBufferError`` if a step already
+    consumed the buffer of a tensor passed directly: too late to cancel.
     """
-    _check_tensor("undonate", tensor)
-    if poison.is_poisoned(tensor) and poison._settled_consumed(tensor):
-        raise poison.donated_error(tensor)
-    with lock:  # never in the middle of a commit
-        return _C.unmark(tensor) is not None
+    if isinstance(tree, torch.Tensor):
+        if poison.is_poisoned(tree) and poison._settled_consumed(tree):
+            raise poison.donated_error(tree)
+        with lock:  # never in the middle of a commit
+            return _C.unmark(tree) is not None
+    from . import pytree
+
+    pytree._check_root("tree", tree, "undonate")  # what donate refuses, undonate does too
+    tensors = pytree.tensors_in([("tree", tree)])
+    with lock:
+        return sum(_C.unmark(t) is not None for t in tensors)
 
 
 def is_donated(tensor: torch.Tensor) -> bool:
     """True while ``tensor`` is marked and waiting for the next step."""
-    _check_tensor("is_donated", tensor)
+    _check_tensor("is_donated", tensor, None)
     return _C.is_marked(tensor)
 
 
@@ -229,7 +239,7 @@ def is_deleted(tensor: torch.Tensor) -> bool:
     May wait for the device: right after ``sync(wait=False)`` whether XLA
     took the buffer is not known until the step has been dispatched.
     """
-    _check_tensor("is_deleted", tensor)
+    _check_tensor("is_deleted", tensor, None)
     return poison.is_poisoned(tensor) and poison._settled_consumed(tensor)
 
 

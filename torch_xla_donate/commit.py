@@ -17,7 +17,9 @@ Around the real barrier (see executions.py for which barriers commit):
    donors' flags;
 2. the real barrier builds the graph (fixing its donor set) and dispatches it;
 3. *after*: clear the flags, poison the donors, and leave their verdicts in
-   flight (verdicts.py).  A failed execution abandons its donations
+   flight (verdicts.py).  A donor nothing but the plugin refers to any more
+   (the loop rebound its name) can be put into no other graph: it is left
+   as it is, flag and all, and freed with its entry.  A failed execution abandons its donations
    (failures.py): STEP_FAILED, values kept.
 
 ``before`` and ``after`` run as the two halves of a native trampoline
@@ -90,14 +92,15 @@ def barrier_after(token, result, error):
     try:
         if token is _FLUSH:
             return result
-        _C.disarm(token.donors)
         if error is not None:
+            _C.disarm(token.donors)
             failures.note_failure()
             verdicts.abandon(token.donors, _C.Verdict.STEP_FAILED)
             return result
-        # The donor set is fixed: poison the donors the user still holds
-        # (one only its entry refers to cannot be used again).
-        _C.poison_donors(token.donors)
+        # The donor set is fixed: clear the flags and poison the donors the
+        # user still holds (one only its entry refers to cannot be put into
+        # another graph, and its buffer goes with it: see hot_path.cpp).
+        _C.disarm_and_poison(token.donors)
         if ownership._companions:
             ownership.poison_companions([record.id for _, record in token.donors])
         ownership.note_barrier(token.device)

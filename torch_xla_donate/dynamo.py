@@ -38,6 +38,7 @@ tensor is donated by the first graph that takes it; a later graph reading it
 raises ``DonatedBufferError``.  Mark after the break, or inside the compiled
 function next to the last use.
 """
+import contextlib
 import copy
 import threading
 
@@ -97,7 +98,7 @@ class _CompiledGraph:
             raise
         if donors:
             with lock:
-                _C.poison_donors(donors)
+                _C.disarm_and_poison(donors)
                 if ownership._companions:
                     ownership.poison_companions([record.id for _, record in donors])
                 verdicts.after_commit(donors[0][0].device, donors, certain=False)
@@ -128,7 +129,7 @@ class _CompiledGraph:
         self._model = None
         _local.static = []
         try:
-            with _arming([args[i] for i in pattern]):
+            with _arming([args[i] for i in pattern]), _capturing_graph_ops():
                 fn = self._extract(model, args)
             static = _local.static
         finally:
@@ -213,13 +214,36 @@ def _disarm() -> None:
 
 def _set_buffer_donation(t, should_donate):
     """torch_xla's ``_set_buffer_donation``, except for a graph op's call
-    during an extraction: that is the graph's own donation, armed with the
-    others around the warm-up."""
+    during an extraction on this thread: that is the graph's own donation,
+    armed with the others around the warm-up."""
     static = getattr(_local, "static", None)
     if static is not None and should_donate:
         static.append(t)
         return True
     return _xla.set_donor(t, should_donate)
+
+
+_capture_lock = threading.Lock()
+_capture_depth = 0
+
+
+@contextlib.contextmanager
+def _capturing_graph_ops():
+    """``_XLAC._set_buffer_donation`` is ours while an extraction runs (the
+    graph op looks it up at each call); torch_xla's own the rest of the time,
+    so that code calling it directly pays nothing for the plugin."""
+    global _capture_depth
+    with _capture_lock:
+        if _capture_depth == 0:
+            _xla._XLAC._set_buffer_donation = _set_buffer_donation
+        _capture_depth += 1
+    try:
+        yield
+    finally:
+        with _capture_lock:
+            _capture_depth -= 1
+            if _capture_depth == 0:
+                _xla._XLAC._set_buffer_donation = _xla.real("_set_buffer_donation")
 
 
 TRAMPOLINES = (
@@ -257,8 +281,6 @@ def install() -> None:
         _original_extract = _original_extract or original
         module.extract_compiled_graph = _extract_compiled_graph
         _patched.append((module, "extract_compiled_graph", original))
-    _patched.append((_xla._XLAC, "_set_buffer_donation", _xla._XLAC._set_buffer_donation))
-    _xla._XLAC._set_buffer_donation = _set_buffer_donation
 
 
 def uninstall() -> None:

@@ -111,16 +111,22 @@ def _refuse_marked_model_state(model: torch.nn.Module) -> None:
     ]
     if not marked:
         return
-    items = ", ".join(f"{kind} '{name}' {_shape(t)}" for kind, name, t in marked)
+    shown = marked[:_SHOWN]
+    items = ", ".join(f"{kind} '{name}' {_shape(t)}" for kind, name, t in shown)
+    if len(marked) > _SHOWN:
+        items += f" and {len(marked) - _SHOWN} more"
     raise ParameterDonationError(
         f"gradient_accumulation: {items} of the model {'is' if len(marked) == 1 else 'are'} "
         "marked by donate_buffer(). gradient_accumulation passes model parameters and "
         "buffers through its loop unchanged and returns no replacement for them, so the "
         "step would give their buffers to other outputs and destroy them. Nothing has "
-        "run and the marks are still set: call undonate(t) on each. If you replace these "
+        "run and the marks are still set: undonate(model) cancels them. If you replace these "
         "tensors with new ones after the call, donate the old ones after "
         "gradient_accumulation returns."
     )
+
+
+_SHOWN = 4  # marked model tensors named in the error; the rest are counted
 
 
 def _shape(t: torch.Tensor) -> str:

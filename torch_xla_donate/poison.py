@@ -117,7 +117,7 @@ def poison(t: torch.Tensor, record, note: str = "") -> None:
     The record rides on the TensorImpls (csrc/record_tag.h), not in
     ``t.__dict__``: a dict per donated tensor and step would double the
     garbage collector's work in a training loop.  The step hook poisons a
-    whole step's donors in one native call (``_C.poison_donors``), which does
+    whole step's donors in one native call (``_C.disarm_and_poison``), which does
     the same as this, tensor by tensor.
     """
     inner = _inner(t)

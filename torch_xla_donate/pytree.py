@@ -255,7 +255,7 @@ def _optimizer_state(path, optimizer):
 _SCALARS = (bool, int, float, complex, str, bytes, type(None))
 
 
-def _check_root(label, tree) -> None:
+def _check_root(label, tree, call="donate") -> None:
     """Refuses a root that pytree sees as an opaque leaf.
 
     Nested opaque leaves are skipped like numbers, but a root the caller
@@ -266,8 +266,8 @@ def _check_root(label, tree) -> None:
         return
     if pytree.tree_structure(tree).is_leaf():
         raise TypeError(
-            f"donate: {label} is a {type(tree).__qualname__}, which torch.utils._pytree "
-            "cannot look into, so none of its tensors would be donated. Pass its "
+            f"{call}: {label} is a {type(tree).__qualname__}, which torch.utils._pytree "
+            f"cannot look into, so none of its tensors would be {call}d. Pass its "
             "tensors in a list, tuple or dict, or register the type with "
             "torch.utils._pytree.register_pytree_node."
         )
