@@ -1,10 +1,13 @@
 """Build torch_xla_donate: the Python package and its native ledger `_C`.
 
-Build without isolation so the build uses the installed pybind11 and torch:
-    pip install --no-build-isolation -e .
+Build without isolation so the build uses the installed pybind11 and torch
+(the extension's ABI follows it), into an environment with torch and
+torch_xla 2.7, 2.8 or 2.9:
+    pip install --no-build-isolation .        # or -e . to develop
 """
 import glob
 import os
+import re
 
 import torch
 from pybind11.setup_helpers import Pybind11Extension, build_ext
@@ -14,6 +17,11 @@ from setuptools import find_packages, setup
 # c10 headers (they ship in the torch wheel); the module links libc10.
 # -idirafter: torch/include also holds a copy of pybind11, which must not
 # shadow the pybind11 we build with.
+# One place for the version: the package's __version__, read without importing
+# it (importing it needs the extension this builds).
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_xla_donate", "__init__.py")) as f:
+    VERSION = re.search(r'^__version__ = "([^"]+)"', f.read(), re.M).group(1)
+
 TORCH_DIR = os.path.dirname(torch.__file__)
 TORCH_INCLUDE = os.path.join(TORCH_DIR, "include")
 TORCH_LIB = os.path.join(TORCH_DIR, "lib")
@@ -32,11 +40,13 @@ ext = Pybind11Extension(
 
 setup(
     name="torch_xla_donate",
-    version="0.1.0",
+    version=VERSION,
     description="Explicit buffer donation for PyTorch/XLA step barriers",
     packages=find_packages(include=["torch_xla_donate", "torch_xla_donate.*"]),
     ext_modules=[ext],
     cmdclass={"build_ext": build_ext},
     python_requires=">=3.10",
-    install_requires=["torch==2.9.0", "torch_xla==2.9.0", "numpy"],
+    # torch_xla 2.7 to 2.9, each with the torch of the same release (checked
+    # at import: torch_xla's own wheels do not pin torch).
+    install_requires=["torch>=2.7,<2.10", "torch_xla>=2.7,<2.10", "numpy"],
 )

@@ -14,6 +14,7 @@ const char* VerdictName(Verdict v) {
     case Verdict::kCancelled: return "cancelled";
     case Verdict::kStepFailed: return "step_failed";
     case Verdict::kDisabled: return "disabled";
+    case Verdict::kLost: return "lost";
   }
   return "unknown";
 }
@@ -203,6 +204,10 @@ void Ledger::Settle(const RecordPtr& record, Verdict verdict) {
       case Verdict::kDisabled:
         s->failed += 1;
         s->failed_bytes += record->nbytes;
+        break;
+      case Verdict::kLost:
+        s->lost += 1;
+        s->lost_bytes += record->nbytes;
         break;
       default: break;
     }

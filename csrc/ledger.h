@@ -33,6 +33,7 @@ enum class Verdict : int {
   kCancelled,        // undonate() before the step
   kStepFailed,       // the step raised; the tensor kept its value
   kDisabled,         // donation is switched off; the mark was ignored
+  kLost,             // the step failed, and torch_xla lost the buffer with it
 };
 
 const char* VerdictName(Verdict v);
@@ -85,7 +86,8 @@ struct StepStats {
   int64_t updated_in_place = 0, updated_in_place_bytes = 0;
   // Dropped at the barrier: a view or alias appeared after marking.
   int64_t dropped = 0, dropped_bytes = 0;
-  int64_t failed = 0, failed_bytes = 0;
+  int64_t failed = 0, failed_bytes = 0;  // the step failed; values kept
+  int64_t lost = 0, lost_bytes = 0;      // the step failed and lost them
   int64_t steps = 0;  // in the totals: how many steps committed donations
   std::vector<std::string> unused_shapes;
   bool settled() const { return pending == 0; }

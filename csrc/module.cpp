@@ -92,6 +92,8 @@ py::dict StatsToDict(const StepStats& s) {
   d["dropped_bytes"] = s.dropped_bytes;
   d["failed"] = s.failed;
   d["failed_bytes"] = s.failed_bytes;
+  d["lost"] = s.lost;
+  d["lost_bytes"] = s.lost_bytes;
   d["pending"] = s.pending;
   d["steps"] = s.steps;
   return d;

@@ -33,6 +33,6 @@ bool EntryParts(PyObject* o, PyObject** tensor, PyObject** record);
 
 // A new reference to the `_C.Verdict` member for `v`.
 PyObject* VerdictObject(Verdict v);
-constexpr int kVerdictCount = static_cast<int>(Verdict::kDisabled) + 1;
+constexpr int kVerdictCount = static_cast<int>(Verdict::kLost) + 1;
 
 }  // namespace torch_xla_donate

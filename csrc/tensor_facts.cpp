@@ -23,7 +23,8 @@ bool ReadTensorFacts(uintptr_t address, TensorFacts* out, bool with_sizes) {
     out->storage_use_count = storage ? static_cast<long>(storage.use_count()) : 0;
     out->impl_use_count = static_cast<long>(c10::raw::intrusive_ptr::use_count(impl));
     out->has_autograd_meta = impl->autograd_meta() != nullptr;
-    const caffe2::TypeMeta dtype = impl->dtype();
+    // Not const: torch 2.7's TypeMeta::toScalarType() is a non-const method.
+    caffe2::TypeMeta dtype = impl->dtype();
     out->itemsize = static_cast<int64_t>(dtype.itemsize());
     out->scalar_type = dtype.isScalarType() ? static_cast<int>(dtype.toScalarType()) : -1;
     out->symbolic_sizes = impl->has_symbolic_sizes_strides();

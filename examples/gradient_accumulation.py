@@ -25,9 +25,20 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 import torch  # noqa: E402
 import torch_xla  # noqa: E402
 import torch_xla.core.xla_model as xm  # noqa: E402
-from torch_xla.experimental.gradient_accumulation import gradient_accumulation  # noqa: E402
+import inspect  # noqa: E402
+
+from torch_xla.experimental import gradient_accumulation as _ga  # noqa: E402
 
 import torch_xla_donate as tdx  # noqa: E402
+
+
+def gradient_accumulation(train_step, iterable_tensors, model, *carried):
+    """torch_xla's ``gradient_accumulation``: it takes the carried tensors as
+    varargs from torch_xla 2.8, as one tuple in 2.7."""
+    params = inspect.signature(_ga.gradient_accumulation).parameters.values()
+    if any(p.kind == p.VAR_POSITIONAL for p in params):
+        return _ga.gradient_accumulation(train_step, iterable_tensors, model, *carried)
+    return _ga.gradient_accumulation(train_step, iterable_tensors, model, carried)
 
 FEATURES, CLASSES = 512, 16
 MICRO_BATCHES, BATCH = 4, 64

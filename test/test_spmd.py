@@ -173,7 +173,9 @@ settle()
 out["scan"] = {"deleted": tdx.is_deleted(old), "value_ok": torch.allclose(carry.cpu(), expected)}
 
 # gradient_accumulation with a sharded carried tensor.
-from torch_xla.experimental.gradient_accumulation import gradient_accumulation
+from torch_xla.experimental.gradient_accumulation import gradient_accumulation as _ga
+from torch_xla_donate._compat import call_gradient_accumulation
+gradient_accumulation = lambda *a: call_gradient_accumulation(_ga, *a)
 torch.manual_seed(0)
 model = torch.nn.Linear(16, 4).to(dev)
 data = torch.randn(2, 8, 16, generator=gen).to(dev)

@@ -1,13 +1,25 @@
 #!/usr/bin/env bash
 # One entry point that sets everything up on a fresh machine, then runs:
 #   bash tools/dev.sh example   # the main example (an MLP trained on digits)
-#   bash tools/dev.sh test      # the test suite (and the Bazel build)
-# Set-up is idempotent: a virtualenv in .venv, the pinned packages (reinstalled
-# only when requirements.txt changes), then the package built in place.
+#   bash tools/dev.sh test      # the test suite (the Bazel build and the wheel check first)
+#   bash tools/dev.sh wheel     # build the wheel and install it into a fresh virtualenv
+# Set-up is idempotent: a virtualenv, the pinned packages (reinstalled only
+# when the requirement files change), then the package built in place.
+#
+# TDX_TORCH_XLA=2.7|2.8|2.9 (default 2.9) picks the torch_xla release, each
+# with its own torch and its own virtualenv (.venv for 2.9, .venv-2.8, ...);
+# tools/test_releases.sh runs the suite on every one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-VENV=${TDX_VENV:-.venv}
+RELEASE=${TDX_TORCH_XLA:-2.9}
+PINS="requirements/torch_xla-$RELEASE.txt"
+if [ ! -f "$PINS" ]; then
+  echo "dev.sh: TDX_TORCH_XLA=$RELEASE is not a supported release (2.7, 2.8, 2.9)" >&2
+  exit 2
+fi
+if [ "$RELEASE" = 2.9 ]; then DEFAULT_VENV=.venv; else DEFAULT_VENV=.venv-$RELEASE; fi
+VENV=${TDX_VENV:-$DEFAULT_VENV}
 PY="$VENV/bin/python"
 
 setup() {
@@ -16,10 +28,10 @@ setup() {
   fi
   local stamp="$VENV/.requirements.sha"
   local want
-  want=$(sha256sum requirements.txt | cut -d' ' -f1)
+  want=$(cat "$PINS" requirements/common.txt | sha256sum | cut -d' ' -f1)
   if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-    echo "dev.sh: installing requirements into $VENV (torch alone is several GB)" >&2
-    pip_quiet install -r requirements.txt
+    echo "dev.sh: installing torch_xla $RELEASE and the requirements into $VENV (torch alone is several GB)" >&2
+    pip_quiet install -r "$PINS" -r requirements/common.txt
     echo "$want" > "$stamp"
   fi
   # --no-build-isolation: the build must see the installed pybind11 and must
@@ -49,10 +61,15 @@ case "${1:-}" in
     setup
     shift
     PYTHON_BIN_PATH="$PWD/$PY" bash tools/bazel_build.sh
+    bash tools/check_wheel.sh "$PY"
     exec "$PY" -m pytest test "$@"
     ;;
+  wheel)
+    setup
+    exec bash tools/check_wheel.sh "$PY"
+    ;;
   *)
-    echo "usage: bash tools/dev.sh example|test [args...]" >&2
+    echo "usage: [TDX_TORCH_XLA=2.7|2.8|2.9] bash tools/dev.sh example|test|wheel [args...]" >&2
     exit 2
     ;;
 esac

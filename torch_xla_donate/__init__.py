@@ -9,9 +9,16 @@ Importing the package hooks torch_xla's step barrier, installs
 ``torch_xla._XLAC.donate_buffer`` and guards ``gradient_accumulation``
 against donated model parameters (see ``integrations``).
 """
+__version__ = "0.2.0"
+
+import torch
 import torch_xla
 
-from . import _C, integrations, step_hook
+from . import _compat
+
+_compat.check_versions(torch.__version__, torch_xla.__version__)
+
+from . import _C, integrations, step_hook  # noqa: E402
 from .api import donate_buffer, is_deleted, is_donated, undonate
 from .config import configure
 from .donating import donating
@@ -29,6 +36,7 @@ from .report import last_step_report, metrics_report, summary
 from .verdicts import settle_in_flight as settle
 
 __all__ = [
+    "__version__",
     "donate_buffer",
     "undonate",
     "is_donated",

@@ -95,7 +95,7 @@ def barrier_after(token, result, error):
         if error is not None:
             _C.disarm(token.donors)
             failures.note_failure()
-            verdicts.abandon(token.donors, _C.Verdict.STEP_FAILED)
+            verdicts.failed(token.donors)
             return result
         # The donor set is fixed: clear the flags and poison the donors the
         # user still holds (one only its entry refers to cannot be put into

@@ -94,7 +94,7 @@ class _CompiledGraph:
                 result = fn(*args)
         except BaseException:
             failures.note_failure()
-            verdicts.abandon(donors, _C.Verdict.STEP_FAILED)
+            verdicts.failed(donors)
             raise
         if donors:
             with lock:

@@ -39,7 +39,7 @@ import threading
 
 import torch
 
-from . import _C
+from . import _C, poison
 from .dtypes import xla_dtype_name
 
 __all__ = ["ParameterDonationError", "install", "uninstall", "installed"]
@@ -90,14 +90,25 @@ def _checking_model_state(original):
 
     @functools.wraps(original)
     def wrapper(*args, **kwargs):
+        arguments = signature.bind(*args, **kwargs).arguments
+        # A consumed tensor passed in: torch_xla (2.7) may trace the loop on
+        # placeholders and hand the real tensors straight to C++, where no
+        # poison can see them; refuse it here, on every release alike.
+        _refuse_consumed(arguments.get("iterable_tensors"), arguments.get("carried_tensors"))
         if _C.marked_count():
-            model = signature.bind(*args, **kwargs).arguments.get("model")
+            model = arguments.get("model")
             if isinstance(model, torch.nn.Module):
                 _refuse_marked_model_state(model)
         return original(*args, **kwargs)
 
     wrapper.__torch_xla_donate_original__ = original
     return wrapper
+
+
+def _refuse_consumed(*groups) -> None:
+    for t in poison._donated_in(tuple(g for g in groups if g is not None), {}):
+        if poison._settled_consumed(t):
+            raise poison.donated_error(t)
 
 
 def _refuse_marked_model_state(model: torch.nn.Module) -> None:

@@ -175,7 +175,7 @@ def _settled_consumed(t) -> bool:
     if record is not None and record.verdict == _C.Verdict.IN_FLIGHT:
         _settle_hook(t, record)
         record = donation_record(t)
-    if record is not None and record.verdict == _C.Verdict.CONSUMED:
+    if record is not None and record.verdict in (_C.Verdict.CONSUMED, _C.Verdict.LOST):
         return True
     if is_poisoned(t):
         unpoison(t)
@@ -192,6 +192,13 @@ def donated_error(t) -> DonatedBufferError:
             f"and step {record.step} reused it for an output, so this value is gone "
             f"too. Use the step's results instead (for a module, load them into it), "
             f"or donate a copy that shares nothing with it."
+        )
+    if record.verdict == _C.Verdict.LOST:
+        return DonatedBufferError(
+            f"This tensor ({record.shape_string}, {record.nbytes} bytes) was donated by "
+            f"{record.via} at {record.where}; step {record.step} failed, and torch_xla "
+            f"lost the donated buffer with it (torch_xla 2.7 does when a step fails to "
+            f"compile), so its value is gone. Recompute or reload it."
         )
     return DonatedBufferError(
         f"This tensor ({record.shape_string}, {record.nbytes} bytes) was donated by "

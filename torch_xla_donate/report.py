@@ -11,6 +11,9 @@ its step ran:
 * *updated in place* after marking: an output itself, not a donor;
 * *dropped* at the barrier: a view or alias appeared after marking;
 * *failed*: the step failed, or donation was switched off after marking;
+  the tensor kept its value;
+* *lost*: the step failed and torch_xla lost the donated buffer with it
+  (torch_xla 2.7 does when a step fails to compile): the value is gone;
 * *in flight*: not judged yet.  After ``torch_xla.sync(wait=False)`` a step's
   verdicts are known only at the next barrier, the first use of a donated
   tensor, ``is_deleted`` or ``step_hook.settle_in_flight()``.
@@ -68,6 +71,7 @@ COUNTERS = {
     "DonatedBuffersUpdatedInPlace": "updated_in_place",
     "DonatedBuffersDropped": "dropped",
     "DonatedBuffersFailed": "failed",
+    "DonatedBuffersLost": "lost",
 }
 
 
@@ -102,6 +106,8 @@ class StepReport:
     failed: int
     failed_bytes: int
     in_flight: int
+    lost: int = 0
+    lost_bytes: int = 0
 
     @property
     def poisoned(self) -> int:
@@ -120,7 +126,7 @@ class StepReport:
     def _from_stats(cls, stats: dict, step=...) -> "StepReport":
         donated = stats["donated"]
         judged = (stats["consumed"] + stats["unused"] + stats["updated_in_place"]
-                  + stats["dropped"] + stats["failed"])
+                  + stats["dropped"] + stats["failed"] + stats["lost"])
         return cls(
             step=stats["step"] if step is ... else step,
             donated=donated,
@@ -139,6 +145,8 @@ class StepReport:
             # The ledger counts open verdicts per step; for totals, every
             # donation without a verdict yet.
             in_flight=stats["pending"] if step is ... else donated - judged,
+            lost=stats["lost"],
+            lost_bytes=stats["lost_bytes"],
         )
 
     def __str__(self) -> str:
@@ -157,6 +165,8 @@ class StepReport:
             f"dropped {self.dropped}",
             f"failed {self.failed}",
         ]
+        if self.lost:
+            parts.append(f"lost {self.lost} ({_size(self.lost_bytes)}, values gone)")
         if self.in_flight:
             parts.append(f"in flight {self.in_flight}")
         head = "all steps" if self.step is None else f"step {self.step}"
@@ -185,6 +195,7 @@ class Summary:
             ("updated in place", t.updated_in_place, t.updated_in_place_bytes),
             ("dropped", t.dropped, t.dropped_bytes),
             ("failed", t.failed, t.failed_bytes),
+            ("lost", t.lost, t.lost_bytes),
         ]
         if t.in_flight:
             rows.append(("in flight", t.in_flight, None))

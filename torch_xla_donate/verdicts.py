@@ -57,11 +57,28 @@ def after_commit(device, donors, certain: bool) -> None:
 
 def abandon(entries, verdict) -> None:
     """Settles committed entries that will not be donated (switched off,
-    failed execution): values kept, poison lifted, no warning."""
+    a step block that raised before its sync): values kept, poison lifted,
+    no warning."""
     for t, record in entries:
         _C.settle(record, verdict)
         if poison.is_poisoned(t):
             poison.unpoison(t)
+
+
+def failed(entries) -> None:
+    """Settles the donations of an execution that failed: STEP_FAILED, value
+    kept, quietly (the failure is the user's news) -- unless torch_xla lost
+    the buffer with the failed step (torch_xla 2.7 does when a step fails to
+    compile): then LOST, and the tensor refuses use like a consumed one."""
+    for t, record in entries:
+        if record.verdict != _C.Verdict.IN_FLIGHT:
+            continue
+        if _xla.buffer_deleted(t):
+            _C.settle(record, _C.Verdict.LOST)
+            if not poison.is_poisoned(t):
+                poison.poison(t, record)
+        else:
+            _fail(t, record)
 
 
 def _settle(entries, certain: bool) -> list:
@@ -74,14 +91,11 @@ def _settle(entries, certain: bool) -> list:
     """
     if not certain:
         return entries
+    if failures.any_failed():  # see failures.py: kept, or lost with the step
+        failed([e for e in entries if failures.in_failed_step(e[1])])
     # Natively, per entry: skip it if a use of the tensor settled it in the
     # meantime; CONSUMED if its buffer is deleted; else unused or unknown.
     unknown, unused = _C.settle_entries(entries, certain)
-    if unused and failures.any_failed():
-        failed = [e for e in unused if failures.in_failed_step(e[1])]
-        unused = [e for e in unused if not failures.in_failed_step(e[1])]
-        for t, record in failed:
-            _fail(t, record)
     for t, record in unused:
         _unuse(t, record)
     if unused:
@@ -109,10 +123,10 @@ def settle_one(t, record) -> None:
         # The entry holds the tensor the user has: ``t`` may be the tensor
         # torch_xla sees behind it, which an operator's dispatch hands us.
         held = next((e[0] for e in _in_flight if e[1].id == record.id), t)
-        if _xla.buffer_deleted(t):
+        if failures.in_failed_step(record):
+            failed([(held, record)])
+        elif _xla.buffer_deleted(t):
             _C.settle(record, _C.Verdict.CONSUMED)
-        elif failures.in_failed_step(record):
-            _fail(held, record)
         else:
             _unuse(held, record)
             notify_settled()
