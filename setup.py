@@ -30,13 +30,42 @@ CXX11_ABI = int(torch._C._GLIBCXX_USE_CXX11_ABI)
 ext = Pybind11Extension(
     "torch_xla_donate._C",
     sources=sorted(glob.glob("csrc/*.cpp")),
+    depends=sorted(glob.glob("csrc/*.h")),
     include_dirs=["csrc"],
     extra_compile_args=["-idirafter", TORCH_INCLUDE, f"-D_GLIBCXX_USE_CXX11_ABI={CXX11_ABI}"],
+    # The torch this is built against: the extension refuses another at import.
+    define_macros=[("TDX_BUILT_FOR_TORCH", f'"{torch.__version__}"')],
     library_dirs=[TORCH_LIB],
     libraries=["c10"],
     runtime_library_dirs=[TORCH_LIB],
     cxx_std=17,
 )
+
+
+
+class BuildForThisTorch(build_ext):
+    """Rebuilds everything when the installed torch is not the one the last
+    build in this tree used.
+
+    The tricky case: one checkout, several virtualenvs (tools/dev.sh keeps one
+    per torch_xla release).  setuptools rebuilds only sources newer than the
+    built extension, so after switching environments it would keep (and put
+    into wheels) an extension built against the other torch, which the import
+    check then refuses.  A stamp in the build directory names the torch.
+    """
+
+    def run(self):
+        stamp = os.path.join(self.build_temp, "built-for-torch")
+        try:
+            with open(stamp) as f:
+                self.force = self.force or f.read() != torch.__version__
+        except FileNotFoundError:
+            self.force = True
+        super().run()
+        os.makedirs(self.build_temp, exist_ok=True)
+        with open(stamp, "w") as f:
+            f.write(torch.__version__)
+
 
 setup(
     name="torch_xla_donate",
@@ -44,7 +73,7 @@ setup(
     description="Explicit buffer donation for PyTorch/XLA step barriers",
     packages=find_packages(include=["torch_xla_donate", "torch_xla_donate.*"]),
     ext_modules=[ext],
-    cmdclass={"build_ext": build_ext},
+    cmdclass={"build_ext": BuildForThisTorch},
     python_requires=">=3.10",
     # torch_xla 2.7 to 2.9, each with the torch of the same release (checked
     # at import: torch_xla's own wheels do not pin torch).

@@ -192,6 +192,11 @@ PYBIND11_MODULE(_C, m) {
   m.def("totals", []() { return StatsToDict(GlobalLedger().Totals()); });
   m.def("reset", []() { GlobalLedger().Reset(); });
   m.attr("HISTORY_STEPS") = Ledger::kHistorySteps;
+#ifdef TDX_BUILT_FOR_TORCH
+  m.attr("BUILT_FOR_TORCH") = TDX_BUILT_FOR_TORCH;
+#else
+  m.attr("BUILT_FOR_TORCH") = py::none();  // a build that did not say (Bazel)
+#endif
   m.def("via_name", [](int via) {
     if (via < 0 || via >= kViaCount) throw py::value_error("no such via");
     return std::string(ViaName(static_cast<Via>(via)));

@@ -15,6 +15,21 @@ def materialize(*tensors):
     return tensors[0] if len(tensors) == 1 else tensors
 
 
+def assert_untouched(t, expected=None):
+    """Not marked, no armed donor flag, not poisoned, value as before: what a
+    refused call must leave behind."""
+    import torch
+    import torch_xla_donate as tdx
+    from torch_xla_donate import _C
+
+    assert not tdx.is_donated(t) and not tdx.is_deleted(t)
+    if t.device.type == "xla" and not t._is_view():
+        assert not torch_xla._XLAC._get_buffer_donation(t)
+    if expected is not None:
+        assert torch.equal(t.detach().cpu(), expected)
+    assert _C.marked_count() == 0
+
+
 def buffer_ptr(t) -> int:
     """The device address of ``t``'s buffer, after all work has run."""
     xm.wait_device_ops()

@@ -9,7 +9,7 @@ import torch_xla
 from torch_xla.experimental import gradient_accumulation as ga
 
 import torch_xla_donate as tdx
-from torch_xla_donate import _C, _compat, executions
+from torch_xla_donate import _C, _compat, _xla, executions, ownership
 from helpers import materialize, run_python
 
 
@@ -94,6 +94,26 @@ def test_a_value_a_failed_step_lost_is_reported_lost_never_kept(dev, monkeypatch
     assert tdx.is_deleted(t)
     with pytest.raises(tdx.DonatedBufferError, match="failed, and torch_xla lost"):
         t.sum()
+
+
+# 2.8 and later accept both forms, so the 2.7 path runs on them too.
+@pytest.mark.parametrize("takes_uncloned", [False] + [True] * _xla._DATA_NODES_TAKE_UNCLONED,
+                         ids=["2.7 form", "2.8+ form"][:1 + _xla._DATA_NODES_TAKE_UNCLONED])
+def test_both_forms_of_the_buffer_owner_query_agree(dev, monkeypatch, takes_uncloned):
+    """torch_xla 2.7's ``_get_tensors_xla_device_data_node`` takes one list;
+    both forms must tell a copy sharing its source's buffer from a tensor
+    with its own."""
+    monkeypatch.setattr(_xla, "_DATA_NODES_TAKE_UNCLONED", takes_uncloned)
+    source = materialize(torch.arange(6.0, device=dev) * 2)
+    copy = torch.empty(6, device=dev)
+    copy.copy_(source)  # shares the source's buffer until the next barrier
+    assert ownership.owns_its_buffer(source) and not ownership.owns_its_buffer(copy)
+    with pytest.raises(ValueError, match="copy"):
+        tdx.donate_buffer(copy)
+    torch_xla.sync()
+    assert ownership.owns_its_buffer(copy)
+    assert _xla.buffer_owner_ids([copy]) == [_xla.tensor_id(copy)]
+    assert torch.equal(copy.cpu(), source.cpu())
 
 
 def test_the_compat_docstrings_hold():

@@ -82,3 +82,24 @@ def test_progress_bar_draws_in_place_on_a_terminal():
     # The loss stays until the next epoch; the second frame overwrites the first.
     assert "[######..]  75.0% loss 1.5000" in frames[1]
     assert len(frames[1].rstrip("\n")) >= len(frames[0])
+
+
+def test_examples_use_only_the_public_api():
+    import ast
+
+    import torch_xla_donate
+
+    public = set(torch_xla_donate.__all__)
+    for path in sorted(EXAMPLES.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch_xla_donate"):
+                assert node.module == "torch_xla_donate", f"{path.name} imports {node.module}"
+                assert all(a.name in public for a in node.names), f"{path.name}: {ast.dump(node)}"
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    assert alias.name == "torch_xla_donate" or not alias.name.startswith(
+                        "torch_xla_donate"), f"{path.name} imports {alias.name}"
+            elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                  and node.value.id == "tdx"):
+                assert node.attr in public, f"{path.name} uses tdx.{node.attr}"

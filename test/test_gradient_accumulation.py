@@ -10,6 +10,7 @@ from torch_xla.experimental import gradient_accumulation as _ga
 
 import torch_xla_donate as tdx
 from torch_xla_donate import integrations
+from torch_xla_donate import _compat
 from torch_xla_donate._compat import call_gradient_accumulation
 from helpers import buffer_ptr, materialize
 
@@ -18,6 +19,11 @@ def gradient_accumulation(train_step, iterable_tensors, model, *carried):
     """torch_xla's, with the carried tensors in the form this release takes."""
     return call_gradient_accumulation(_ga.gradient_accumulation, train_step, iterable_tensors,
                                       model, *carried)
+
+# After torch_xla 2.7's gradient_accumulation, XLA no longer takes the
+# parameters' buffers as donors (torch_xla's own flag is ignored too, plugin
+# or not): such a donation is honestly unused there, its value kept.
+KEEPS_PARAMETER_BUFFERS = _compat._release(torch_xla.__version__) < (2, 8)
 
 MICRO_BATCHES = 4
 ACC_SHAPE = (96, 96)  # no other output of the step has this byte size
@@ -133,10 +139,20 @@ def test_parameter_donated_after_the_call_may_be_replaced(dev):
     old = model.weight
     ptr = buffer_ptr(old)
     gradient_accumulation(_train_step(model), (data, target), model, acc)
+    # Read before the update is traced: a read of the gradient may run what
+    # is pending with it (torch_xla 2.7 does), new weight included.
+    expected = (old.detach().cpu() - 0.1 * old.grad.cpu())
     with torch.no_grad():
         tdx.donate_buffer(old)
         new = old - 0.1 * old.grad
-    expected = (old.detach().cpu() - 0.1 * old.grad.cpu())
+    if KEEPS_PARAMETER_BUFFERS:
+        before = old.detach().cpu()
+        with pytest.warns(tdx.UnusedDonationWarning, match=r"f32\[4,32\]"):
+            torch_xla.sync()
+            tdx.settle()
+        assert not tdx.is_deleted(old) and torch.equal(old.detach().cpu(), before)
+        assert torch.allclose(new.cpu(), expected)
+        return
     torch_xla.sync()
     model.weight = torch.nn.Parameter(new)
     assert tdx.is_deleted(old)
@@ -156,9 +172,12 @@ def test_without_the_guard_a_donated_parameter_is_destroyed(dev):
         torch_xla.sync()
     finally:
         integrations.install()
-    assert tdx.is_deleted(model.weight)
-    with pytest.raises(tdx.DonatedBufferError):
-        model(data[0])
+    if _compat._release(torch_xla.__version__) >= (2, 8):
+        assert tdx.is_deleted(model.weight)
+        with pytest.raises(tdx.DonatedBufferError):
+            model(data[0])
+    else:  # torch_xla 2.7 traces the loop apart and happens to keep it
+        assert not tdx.is_deleted(model.weight)
 
 
 def test_donated_iterable_tensor_is_not_consumed_by_the_inner_sync(dev):

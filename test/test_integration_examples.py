@@ -1,4 +1,5 @@
 """The scan and gradient-accumulation examples run, donate, and save memory."""
+import math
 import os
 import pathlib
 import re
@@ -75,3 +76,36 @@ def test_gradient_accumulation_example_reuses_the_accumulator(grad_acc_run):
 
 def test_gradient_accumulation_example_refuses_a_donated_parameter(grad_acc_run):
     assert "donating a model parameter: refused (ParameterDonationError), bias intact: True" in grad_acc_run
+
+
+# Sizes where the training state (24 MiB) outweighs the activations, so
+# that the peak memory shows it.
+_TRANSFORMER = ("--steps", "8", "--layers", "2", "--width", "256", "--heads", "4",
+                "--vocab", "1024", "--context", "16", "--batch-size", "4")
+
+
+def test_transformer_example_donates_its_state_every_step_and_saves_memory():
+    donated = _run("train_transformer.py", *_TRANSFORMER)
+    plain = _run("train_transformer.py", *_TRANSFORMER, "--no-donate")
+    # Same training either way (seeded): the same loss at every step.  (Eight
+    # steps are too few for these sizes to learn: the loss is only compared.)
+    step_losses = r"step +\d+ +loss ([0-9.]+)"
+    losses = [float(x) for x in re.findall(step_losses, donated)]
+    assert len(losses) == 8 and all(math.isfinite(x) for x in losses)
+    assert losses == pytest.approx([float(x) for x in re.findall(step_losses, plain)], abs=2e-3)
+    # Every step donated parameters and both AdamW moments, and every buffer
+    # was taken by an output.
+    reused = _number(r"reused \(poisoned\) +(\d+)", donated)
+    assert reused == _number(r"donated (\d+) buffer", donated) and reused > 0
+    assert _number(r"unused +(\d+)", donated) == 0 and _number(r"dropped +(\d+)", donated) == 0
+    # The state no longer costs a second copy at each step's peak.
+    state = _number(r"the state is ([0-9.]+) MiB", donated)
+    grew = _number(r"peak memory growth over the loop \(after step 2\): ([0-9.]+) MiB", donated)
+    grew_plain = _number(r"peak memory growth over the loop \(after step 2\): ([0-9.]+) MiB", plain)
+    # Without donation each step's peak holds a second copy of the state (and
+    # the gradients); with it, under one copy.  Measured on XLA:CPU: 11.7-21.0
+    # MiB donated against 40.1-49.6 not donated, for a 24.1 MiB state (the
+    # allocator's reuse of freed pages makes the spread): the saving is
+    # checked as at least half the state.
+    assert grew < state < grew_plain and grew_plain - grew > state / 2, (grew, grew_plain, state)
+    assert "module's own parameters went with the first donation" in donated

@@ -31,7 +31,7 @@ import torch
 import torch_xla
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "test"))
-import test_fuzz  # noqa: E402
+import fuzz_program  # noqa: E402
 
 import torch_xla_donate as tdx  # noqa: E402
 
@@ -54,13 +54,13 @@ def main():
     args = parser.parse_args()
     if args.no_donate:
         tdx.step_hook.uninstall()
-        test_fuzz.Program.donate = lambda self, entry, defer: None
-        test_fuzz.Program.judge = lambda self, expectations: None
+        fuzz_program.Program.donate = lambda self, entry, defer: None
+        fuzz_program.Program.judge = lambda self, expectations: None
     with open(args.trace) as f:
         lines = f.read().splitlines()
     indices = [int(i) for i in args.keep.split(",") if i] or range(len(lines))
     for i in indices:
-        program = test_fuzz.Program(Draws(eval(lines[i], {"torch": torch})), torch_xla.device())
+        program = fuzz_program.Program(Draws(eval(lines[i], {"torch": torch})), torch_xla.device())
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")

@@ -18,7 +18,11 @@ from . import _compat
 
 _compat.check_versions(torch.__version__, torch_xla.__version__)
 
-from . import _C, integrations, step_hook  # noqa: E402
+from . import _C  # noqa: E402
+
+_compat.check_build(_C.BUILT_FOR_TORCH, torch.__version__)
+
+from . import integrations, step_hook  # noqa: E402
 from .api import donate_buffer, is_deleted, is_donated, undonate
 from .config import configure
 from .donating import donating

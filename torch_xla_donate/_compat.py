@@ -27,7 +27,8 @@ ImportError: torch_xla_donate needs torch_xla 2.7, 2.8 or 2.9; this is torch_xla
 import inspect
 import re
 
-__all__ = ["SUPPORTED", "check_versions", "call_gradient_accumulation", "carried_as_varargs"]
+__all__ = ["SUPPORTED", "check_versions", "check_build", "call_gradient_accumulation",
+           "carried_as_varargs"]
 
 SUPPORTED = ((2, 7), (2, 8), (2, 9))
 
@@ -61,6 +62,24 @@ def check_versions(torch_version: str, torch_xla_version: str) -> None:
             f"{torch_version} is installed (torch_xla's wheels do not pin it, so pip "
             f"allows the mismatch). Install the matching torch: "
             f"pip install 'torch=={xla[0]}.{xla[1]}.*'.")
+
+
+def check_build(built_for, torch_version: str) -> None:
+    """Raises ImportError unless the native extension was built against this
+    torch (its ABI follows torch; a checkout switched between releases keeps
+    the extension of the last build).
+
+    >>> check_build("2.9.0+cu128", "2.9.0+cu128"); check_build(None, "2.8.0")
+    >>> check_build("2.7.0", "2.9.0")
+    Traceback (most recent call last):
+    ImportError: torch_xla_donate's extension was built against torch 2.7.0, ...
+    """
+    if built_for is not None and built_for != torch_version:
+        raise ImportError(
+            f"torch_xla_donate's extension was built against torch {built_for}, but torch "
+            f"{torch_version} is installed. Rebuild it in this environment: "
+            f"pip install --no-build-isolation -e . (or TDX_TORCH_XLA=<release> bash "
+            f"tools/dev.sh test, which does).")
 
 
 def carried_as_varargs(gradient_accumulation) -> bool:

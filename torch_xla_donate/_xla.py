@@ -81,7 +81,14 @@ def buffer_owner_ids(tensors) -> list:
     ``NO_OWNER`` for a buffer uploaded from the host that no graph has read.
     Two tensors sharing a buffer give one entry: the list can be shorter."""
     tensors = list(tensors)
-    return _XLAC._get_tensors_xla_device_data_node(tensors, tensors)[0]
+    if _DATA_NODES_TAKE_UNCLONED:  # torch_xla 2.8+: no new tensor for these
+        return _XLAC._get_tensors_xla_device_data_node(tensors, tensors)[0]
+    return _XLAC._get_tensors_xla_device_data_node(tensors)[0]
+
+
+# torch_xla 2.7's _get_tensors_xla_device_data_node takes the output tensors
+# only; 2.8 added the list of tensors to hand back uncloned.
+_DATA_NODES_TAKE_UNCLONED = "uncloned" in (_XLAC._get_tensors_xla_device_data_node.__doc__ or "")
 
 
 NO_OWNER = _XLAC._get_seed_info_id()

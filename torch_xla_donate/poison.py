@@ -55,9 +55,11 @@ class _DonatedTensor:
         if not _settled_consumed(self):
             return repr(self)  # unused after all: the class is restored
         record = donation_record(self)
+        fate = (f"was lost when step {record.step} failed"
+                if record.verdict == _C.Verdict.LOST else f"was reused by step {record.step}")
         return (
-            f"<donated XLA tensor {record.shape_string}: its buffer was reused by "
-            f"step {record.step} ({record.via} at {record.where}); it has no value>"
+            f"<donated XLA tensor {record.shape_string}: its buffer {fate} "
+            f"({record.via} at {record.where}); it has no value>"
         )
 
     __str__ = __repr__
