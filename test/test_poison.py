@@ -63,6 +63,9 @@ USES = {
     "nn.Parameter(t), then a use": lambda t: torch.nn.Parameter(t) * 2,
     "t.data": lambda t: t.data + 1,
     "detach": lambda t: t.detach(),
+    "a partial write": lambda t: t.__setitem__(0, 1.0),
+    "copy_ from itself": lambda t: t.copy_(t),
+    "copy_ into another tensor": lambda t: torch.empty(2, 3, device=t.device).copy_(t),
     "autograd backward": lambda t: (t.requires_grad_() * 2).sum().backward(),
 }
 
@@ -88,6 +91,29 @@ def test_a_new_value_lifts_the_poison(donated, dev):
     assert poison.donation_record(donated) is None
     assert (donated + 1).sum().item() == 48 and "donated" not in repr(donated)
     assert not poison.is_poisoned(donated)
+
+
+@pytest.mark.parametrize("source", ["same shape", "broadcast", "other dtype", "from the host"])
+def test_copy_into_a_consumed_tensor_refills_it(donated, dev, source):
+    """``copy_`` writes every element and reads none: the tensor takes the
+    source's value and is live again (``load_state_dict`` does this, and
+    torch.compile's write-back of an input the graph mutated)."""
+    src = {"same shape": lambda: torch.full((2, 3), 5.0, device=dev),
+           "broadcast": lambda: torch.full((3,), 5.0, device=dev),
+           "other dtype": lambda: torch.full((2, 3), 5, dtype=torch.int32, device=dev),
+           "from the host": lambda: torch.full((2, 3), 5.0)}[source]()
+    donated.copy_(src)
+    assert donated.dtype == torch.float32 and poison.donation_record(donated) is None
+    assert "donated" not in repr(donated) and not poison.is_poisoned(donated)
+    torch_xla.sync()
+    assert torch.equal(donated.cpu(), torch.full((2, 3), 5.0))
+
+
+def test_copy_from_a_consumed_tensor_still_raises_and_refills_nothing(donated, dev):
+    target = materialize(torch.ones(2, 3, device=dev))
+    with pytest.raises(DonatedBufferError):
+        target.copy_(donated)
+    assert torch.equal(target.cpu(), torch.ones(2, 3)) and poison.is_poisoned(donated)
 
 
 def test_dot_data_assignment_lifts_the_poison(consumed_record, dev):
@@ -188,3 +214,23 @@ def test_poisoning_allocates_little_the_garbage_collector_counts(consumed_record
         gc.enable()
     assert grown <= 200 + 20, grown
     assert all(poison.donation_record(t).id == consumed_record.id for t in ts)
+
+
+def test_load_state_dict_refills_a_module_whose_parameters_were_consumed(dev):
+    """Restoring a checkpoint into a module after its parameters were donated
+    (``load_state_dict`` copies into each parameter) makes it usable again."""
+    import torch_xla_donate as tdx
+
+    model = torch.nn.Linear(4, 4).to(dev)
+    checkpoint = {k: v.cpu() for k, v in model.state_dict().items()}
+    materialize(model.weight)
+    tdx.donate_buffer(model.weight)
+    new = model.weight * 2
+    torch_xla.sync()
+    assert tdx.is_deleted(model.weight)
+    with pytest.raises(DonatedBufferError):
+        model(torch.ones(1, 4, device=dev))
+    model.load_state_dict(checkpoint)
+    assert not tdx.is_deleted(model.weight) and type(model.weight) is torch.nn.Parameter
+    torch.testing.assert_close(model.weight.detach().cpu(), checkpoint["weight"])
+    assert model(torch.ones(1, 4, device=dev)).shape == (1, 4)

@@ -30,7 +30,11 @@ A poisoned tensor is in one of two states:
   whether XLA took the buffer.  The first use settles the verdict (waiting for
   the device if need be): a tensor whose donation went unused gets its class
   and dispatch key back and the operator simply runs.
-* *consumed*: the buffer now holds a step output; every use raises.
+* *consumed*: the buffer now holds a step output; every use raises, except
+  a refill: ``t.copy_(s)`` writes every element and reads none, so the
+  tensor takes ``s``'s value and is live again (``load_state_dict`` into a
+  module whose parameters were donated, torch.compile writing back an input
+  its graph changed in place).
 """
 import torch
 
@@ -75,11 +79,37 @@ class _RefusesOperators(_DonatedTensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is _PROPAGATE_XLA_DATA:  # metadata only: no value is read
+            with torch._C._ExcludeDispatchKeyGuard(_PYTHON_KEYS):
+                return func(*args, **kwargs)
+        # A refill writes into its first argument; a donated tensor anywhere
+        # else in the call (``t.copy_(t)`` too) is read.
+        refill = func in _REFILLS and not any(x is args[0] for x in _donated_in(args[1:], kwargs))
         for t in _donated_in(args, kwargs):
             if _settled_consumed(t):
+                if refill and t is args[0]:
+                    continue
                 raise donated_error(t)
+        if refill and is_poisoned(args[0]):
+            # Its value is now the source's (torch_xla's ``copy`` writes into
+            # its first argument and returns it, as ``copy_`` does).
+            unpoison(args[0])
         # Every donated argument turned out unused and lost its poison.
         return func(*args, **kwargs)
+
+
+# Operators that overwrite every element of their first argument without
+# reading it: a consumed tensor may be refilled by them (``t.copy_(s)``, as
+# ``load_state_dict`` and torch.compile's write-back of a mutated input do).
+# ``copy`` is what functionalization makes of ``copy_``.  The user's tensor
+# (the functional wrapper) loses its poison at its next look, once the
+# tensor torch_xla computes with has lost its own (``donation_record``).
+_REFILLS = (torch.ops.aten.copy.default, torch.ops.aten.copy_.default)
+# After an in-place update torch_xla's functionalization hands the new value
+# the old one's alias id (for its input/output aliasing): metadata only.
+_PROPAGATE_XLA_DATA = torch.ops.aten._propagate_xla_data.default
+_PYTHON_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.Python) | torch._C.DispatchKeySet(
+    torch._C.DispatchKey.PythonTLSSnapshot)
 
 
 _poison_classes = {}
