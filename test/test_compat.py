@@ -97,8 +97,13 @@ def test_a_value_a_failed_step_lost_is_reported_lost_never_kept(dev, monkeypatch
 
 
 # 2.8 and later accept both forms, so the 2.7 path runs on them too.
-@pytest.mark.parametrize("takes_uncloned", [False] + [True] * _xla._DATA_NODES_TAKE_UNCLONED,
-                         ids=["2.7 form", "2.8+ form"][:1 + _xla._DATA_NODES_TAKE_UNCLONED])
+_OWNER_QUERY_FORMS = {"2.7 form": False}
+if _xla._DATA_NODES_TAKE_UNCLONED:
+    _OWNER_QUERY_FORMS["2.8+ form"] = True
+
+
+@pytest.mark.parametrize("takes_uncloned", _OWNER_QUERY_FORMS.values(),
+                         ids=_OWNER_QUERY_FORMS.keys())
 def test_both_forms_of_the_buffer_owner_query_agree(dev, monkeypatch, takes_uncloned):
     """torch_xla 2.7's ``_get_tensors_xla_device_data_node`` takes one list;
     both forms must tell a copy sharing its source's buffer from a tensor

@@ -196,23 +196,24 @@ params = [torch.randn(64, 64, device=dev) * 0.1 for _ in range(3)] + [torch.rand
 torch_xla.sync()
 loss = lambda ps, x, y: ((mlp(ps, x) - y) ** 2).mean()
 refused = 0
+
+def donate_and_update(params, grads):
+    global refused
+    try:
+        tdx.donate(params)
+    except ValueError:
+        refused += 1
+    params = [p - 0.05 * g for p, g in zip(params, grads)]
+    torch_xla.sync()
+    return params
+
 for step in range(steps):  # the loop: grad, sync, donate, update
     grads = grad(loss)(params, x, y)
     torch_xla.sync()
-    try:
-        tdx.donate(params)
-    except ValueError:
-        refused += 1
-    params = [p - 0.05 * g for p, g in zip(params, grads)]
-    torch_xla.sync()
+    params = donate_and_update(params, grads)
 for step in range(steps):  # grad_and_value, donating right after it returns
     grads, value = grad_and_value(loss)(params, x, y)
-    try:
-        tdx.donate(params)
-    except ValueError:
-        refused += 1
-    params = [p - 0.05 * g for p, g in zip(params, grads)]
-    torch_xla.sync()
+    params = donate_and_update(params, grads)
 tdx.settle()
 t = tdx.summary().totals
 print("STRESS", refused, t.dropped, t.unused, t.reused, t.donated)

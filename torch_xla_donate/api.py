@@ -22,7 +22,7 @@ import torch
 
 from . import _C, _xla, config, dynamo, ownership, poison
 from .hook_lock import lock
-from .dtypes import xla_dtype_name
+from .dtypes import shape_string, xla_dtype_name
 from .errors import DonatedBufferError, DonationDisabledWarning
 
 __all__ = ["donate_buffer", "undonate", "is_donated", "is_deleted"]
@@ -244,8 +244,7 @@ def is_deleted(tensor: torch.Tensor) -> bool:
 
 
 def _describe(tensor) -> str:
-    shape = ",".join(str(d) for d in tensor.shape)
-    return f"the tensor {xla_dtype_name(tensor.dtype)}[{shape}]"
+    return f"the tensor {shape_string(tensor)}"
 
 
 def _caller(depth: int):

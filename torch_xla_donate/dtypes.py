@@ -28,3 +28,13 @@ def xla_dtype_name(dtype: torch.dtype) -> str:
     name = _XLA_NAMES.get(dtype)
     return name if name is not None else str(dtype).removeprefix("torch.")
 
+
+def shape_string(t: torch.Tensor) -> str:
+    """``t``'s dtype and shape as XLA prints them, the way every message of
+    the plugin names a tensor.
+
+    >>> shape_string(torch.zeros(2, 3, dtype=torch.bfloat16)), shape_string(torch.tensor(1))
+    ('bf16[2,3]', 's64[]')
+    """
+    return f"{xla_dtype_name(t.dtype)}[{','.join(str(d) for d in t.shape)}]"
+

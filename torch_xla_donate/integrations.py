@@ -40,7 +40,7 @@ import threading
 import torch
 
 from . import _C, poison
-from .dtypes import xla_dtype_name
+from .dtypes import shape_string
 
 __all__ = ["ParameterDonationError", "install", "uninstall", "installed"]
 
@@ -123,7 +123,7 @@ def _refuse_marked_model_state(model: torch.nn.Module) -> None:
     if not marked:
         return
     shown = marked[:_SHOWN]
-    items = ", ".join(f"{kind} '{name}' {_shape(t)}" for kind, name, t in shown)
+    items = ", ".join(f"{kind} '{name}' {shape_string(t)}" for kind, name, t in shown)
     if len(marked) > _SHOWN:
         items += f" and {len(marked) - _SHOWN} more"
     raise ParameterDonationError(
@@ -140,5 +140,3 @@ def _refuse_marked_model_state(model: torch.nn.Module) -> None:
 _SHOWN = 4  # marked model tensors named in the error; the rest are counted
 
 
-def _shape(t: torch.Tensor) -> str:
-    return f"{xla_dtype_name(t.dtype)}[{','.join(str(d) for d in t.shape)}]"

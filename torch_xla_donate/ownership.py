@@ -42,7 +42,7 @@ import threading
 import torch
 
 from . import _C, _xla, poison
-from .dtypes import xla_dtype_name
+from .dtypes import shape_string
 from .errors import DroppedDonationWarning
 from .messages import warn_records
 
@@ -153,8 +153,6 @@ def _judge_aliases(t, others, result) -> None:
             "drop the graph")
 
 
-def _shape(t) -> str:
-    return f"{xla_dtype_name(t.dtype)}[{','.join(str(d) for d in t.shape)}]"
 
 
 class _Scan:
@@ -215,7 +213,7 @@ class _Scan:
         for o in self.tensors:
             if o is not t and _attribute(o, "is_leaf") and _attribute(o, "grad") is t:
                 name = self._names.get(id(o))
-                return f"the {name}" if name else f"a tensor {_shape(o)}"
+                return f"the {name}" if name else f"a tensor {shape_string(o)}"
         return None
 
 

@@ -39,6 +39,7 @@ A poisoned tensor is in one of two states:
 import torch
 
 from . import _C
+from .dtypes import shape_string
 from .errors import DonatedBufferError
 
 __all__ = ["poison", "unpoison", "is_poisoned", "donation_record", "donated_error"]
@@ -82,13 +83,12 @@ class _RefusesOperators(_DonatedTensor):
         if func is _PROPAGATE_XLA_DATA:  # metadata only: no value is read
             with torch._C._ExcludeDispatchKeyGuard(_PYTHON_KEYS):
                 return func(*args, **kwargs)
+        donated = _donated_in(args, kwargs)
         # A refill writes into its first argument; a donated tensor anywhere
         # else in the call (``t.copy_(t)`` too) is read.
-        refill = func in _REFILLS and not any(x is args[0] for x in _donated_in(args[1:], kwargs))
-        for t in _donated_in(args, kwargs):
-            if _settled_consumed(t):
-                if refill and t is args[0]:
-                    continue
+        refill = func in _REFILLS and sum(x is args[0] for x in donated) == 1
+        for t in donated:
+            if _settled_consumed(t) and not (refill and t is args[0]):
                 raise donated_error(t)
         if refill and is_poisoned(args[0]):
             # Its value is now the source's (torch_xla's ``copy`` writes into
@@ -219,7 +219,7 @@ def donated_error(t) -> DonatedBufferError:
     note = _C.tagged_note(_inner(t))
     if note:  # a companion: taken down with another tensor's donation
         return DonatedBufferError(
-            f"This tensor ({_shape(t)}) lost its buffer with a donation: {note}. "
+            f"This tensor ({shape_string(t)}) lost its buffer with a donation: {note}. "
             f"{record.via} at {record.where} donated that buffer ({record.shape_string}) "
             f"and step {record.step} reused it for an output, so this value is gone "
             f"too. Use the step's results instead (for a module, load them into it), "
@@ -239,12 +239,6 @@ def donated_error(t) -> DonatedBufferError:
         f"or, if you still need this tensor, do not donate it (undonate(t) cancels a "
         f"mark before the step)."
     )
-
-
-def _shape(t) -> str:
-    from .dtypes import xla_dtype_name
-
-    return f"{xla_dtype_name(t.dtype)}[{','.join(str(d) for d in t.shape)}]"
 
 
 def _donated_in(args, kwargs):
