@@ -62,13 +62,19 @@ def machine_line(m: dict) -> str:
 
 def child_env(extra=None) -> dict:
     """The environment of a child: this checkout's package first on the path
-    (the benchmarks measure the code next to them, installed or not)."""
+    (the benchmarks measure the code next to them, installed or not), and
+    XLA:CPU's XNNPACK off in every mode alike, also in those that never
+    import the package (raw donation, no plugin): the package switches it
+    off at import for values that can be trusted (torch_xla_donate/xla_cpu.py),
+    and modes compared with each other must run the same XLA."""
     env = dict(os.environ)
     repo = os.path.dirname(HERE)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, env.get("PYTHONPATH")]))
     env.setdefault("PJRT_DEVICE", "CPU")
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     env.update(extra or {})
+    if "--xla_cpu_use_xnnpack" not in env.get("XLA_FLAGS", ""):
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_cpu_use_xnnpack=false".strip()
     return env
 
 

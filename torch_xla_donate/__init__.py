@@ -18,6 +18,11 @@ from . import _compat
 
 _compat.check_versions(torch.__version__, torch_xla.__version__)
 
+from . import xla_cpu  # noqa: E402
+
+# Before torch_xla's runtime starts: XLA reads XLA_FLAGS once, at its start.
+xla_cpu.protect_at_import(torch_xla._XLAC)
+
 from . import _C  # noqa: E402
 
 _compat.check_build(_C.BUILT_FOR_TORCH, torch.__version__)
@@ -31,6 +36,7 @@ from .errors import (
     DonatedBufferError,
     DonationDisabledWarning,
     DroppedDonationWarning,
+    StaleReadWarning,
     UnusedDonationError,
     UnusedDonationWarning,
 )
@@ -53,6 +59,7 @@ __all__ = [
     "UnusedDonationError",
     "DroppedDonationWarning",
     "DonationDisabledWarning",
+    "StaleReadWarning",
     "ParameterDonationError",
     "settle",
     "last_step_report",

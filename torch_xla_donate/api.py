@@ -20,7 +20,7 @@ import warnings
 
 import torch
 
-from . import _C, _xla, config, dynamo, ownership, poison
+from . import _C, _xla, commit, config, dynamo, ownership, poison, xla_cpu
 from .hook_lock import lock
 from .dtypes import shape_string, xla_dtype_name
 from .errors import DonatedBufferError, DonationDisabledWarning
@@ -109,6 +109,8 @@ def _mark_checked(tensor, where, via=VIA_DONATE_BUFFER) -> None:
         return
     if tensor.dim() == 0:
         return  # never donated, see _SCALARS; donate_buffer refused it already
+    if xla_cpu.warn_if_unprotected():
+        commit.refresh_fast_path()  # warned once: the fast path may open
     # A commit in another thread must see the mark whole or not at all.
     with lock:
         if _C.is_marked(tensor):

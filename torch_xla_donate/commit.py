@@ -27,7 +27,7 @@ Around the real barrier (see executions.py for which barriers commit):
 them with no frame of ours on the stack.  The hook lock is held from
 ``before`` to ``after``.
 """
-from . import _C, _xla, config, failures, ownership, verdicts
+from . import _C, _xla, config, failures, ownership, verdicts, xla_cpu
 from . import devices as _devices
 from .hook_lock import lock
 
@@ -38,8 +38,11 @@ def refresh_fast_path() -> None:
     """Opens ``_C.try_mark``'s fast path only while donation is on: off, the
     Python path gives its warning.  Called when ``configure`` changes, and at
     every barrier (torch_xla reads ``XLA_ENABLE_PARAM_ALIASING`` when it
-    first compiles, so a change before the first step still counts)."""
-    _C.set_fast_path_enabled(config.enabled() and _xla.aliasing_enabled())
+    first compiles, so a change before the first step still counts).  It
+    also stays closed until an unprotected CPU process has had its
+    ``StaleReadWarning`` (xla_cpu.py), which the Python path gives."""
+    _C.set_fast_path_enabled(config.enabled() and _xla.aliasing_enabled()
+                             and not xla_cpu.warning_due())
 
 
 class _Commit:

@@ -44,7 +44,7 @@ import threading
 
 import torch
 
-from . import _C, _xla, commit, executions, failures, ownership, poison, verdicts
+from . import _C, _xla, commit, executions, failures, ownership, poison, verdicts, xla_cpu
 from .hook_lock import lock
 from .sites import user_site
 
@@ -110,6 +110,7 @@ class _CompiledGraph:
         static = [args[i] for i in self._static if _xla.is_xla_tensor(args[i])]
         with lock:
             if static:
+                xla_cpu.warn_if_unprotected()
                 file, line = user_site()
                 for t in static:
                     if not _C.is_marked(t):

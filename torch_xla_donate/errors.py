@@ -6,6 +6,7 @@ __all__ = [
     "UnusedDonationError",
     "DonationDisabledWarning",
     "DroppedDonationWarning",
+    "StaleReadWarning",
 ]
 
 
@@ -47,3 +48,11 @@ class DonationDisabledWarning(UserWarning):
     donation off, or the plugin's own off switch is set
     (``TORCH_XLA_DONATE_DISABLE=1`` or ``configure(enabled=False)``).
     """
+
+
+class StaleReadWarning(UserWarning):
+    """This process runs XLA:CPU with XNNPACK on, which can compute a matmul
+    with a reused buffer's old contents after a donation: set
+    ``XLA_FLAGS=--xla_cpu_use_xnnpack=false`` before torch_xla starts (the
+    package does it at import when it still can; see ``xla_cpu``).  Given
+    once, at the first donation."""

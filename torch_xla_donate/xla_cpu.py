@@ -1,0 +1,166 @@
+"""Right values on torch_xla's CPU backend: XLA:CPU's XNNPACK switched off.
+
+The problem
+-----------
+In torch_xla 2.9, on some x86 CPUs, XLA:CPU's XNNPACK path can compute a
+matmul with a buffer's *old* contents after that buffer was reused in place
+at the same address: by a donation, and by torch_xla's own aliasing of
+in-place updates (``p.sub_(lr * g)``), with or without this package.  A
+donated loop then drifts from the same loop without donation.  XLA's
+``--xla_cpu_use_xnnpack=false`` makes every such loop right
+(``tools/repros/xnnpack_stale_read.py`` shows the bug where the CPU has it;
+TPU and GPU backends do not use XNNPACK).
+
+What the package does
+---------------------
+At import, on the CPU backend (``PJRT_DEVICE=CPU``, which torch_xla also
+picks when it finds no accelerator), before torch_xla's runtime has started
+(XLA reads ``XLA_FLAGS`` once, when it starts), and when ``XLA_FLAGS`` does
+not already decide the switch, ``--xla_cpu_use_xnnpack=false`` is added to
+``XLA_FLAGS`` and the log says so once (logger ``torch_xla_donate``, INFO),
+as torch_xla itself adds ``--xla_cpu_enable_fast_math=false``.  The flag is
+added only when this torch_xla's XLA knows it (an unknown flag makes XLA
+abort at start): ``flag_supported`` looks for its name in ``_XLAC``.
+
+When the package cannot protect the process (the runtime had started before
+the import, or ``XLA_FLAGS`` turns XNNPACK on explicitly), the first donation
+gives a ``StaleReadWarning`` naming the flag; nothing is changed silently.
+``TORCH_XLA_DONATE_CPU_XNNPACK=keep`` leaves ``XLA_FLAGS`` alone (and warns
+as above).
+
+>>> decide("CPU", "", runtime_started=False, supported=True, keep=False)
+'add'
+>>> decide("CPU", "--xla_cpu_use_xnnpack=true", runtime_started=False, supported=True, keep=False)
+'warn'
+>>> decide("CUDA", "", runtime_started=False, supported=True, keep=False)
+'none'
+"""
+import logging
+import mmap
+import os
+import warnings
+
+from .errors import StaleReadWarning
+from .sites import user_stacklevel
+
+__all__ = ["FLAG", "protect_at_import", "decide", "chosen_value", "flag_supported",
+           "warn_if_unprotected", "warning_due", "state"]
+
+FLAG = "--xla_cpu_use_xnnpack"
+KEEP_ENV = "TORCH_XLA_DONATE_CPU_XNNPACK"
+
+_log = logging.getLogger("torch_xla_donate")
+
+# What the import decided: "added", "chosen" (XLA_FLAGS decides it, off),
+# "warn" (unprotected: warn at the first donation), "none" (not the CPU
+# backend, or this XLA has no XNNPACK switch).
+_state = "none"
+_warned = False
+
+
+def chosen_value(xla_flags: str):
+    """The value ``XLA_FLAGS`` gives the XNNPACK switch: True, False, or None
+    when it does not mention it (the last mention wins, as in XLA).
+
+    >>> chosen_value("--xla_cpu_use_xnnpack=false --xla_dump_to=/tmp/d")
+    False
+    >>> chosen_value("--xla_cpu_use_xnnpack"), chosen_value("--xla_cpu_use_xnnpack=0")
+    (True, False)
+    >>> chosen_value("--xla_cpu_use_xnnpack_other=1") is None
+    True
+    """
+    value = None
+    for token in xla_flags.split():
+        name, _, text = token.partition("=")
+        if name != FLAG:
+            continue
+        value = text.strip().lower() not in ("false", "0", "no", "off") if text else True
+    return value
+
+
+def decide(device: str, xla_flags: str, *, runtime_started: bool, supported: bool,
+           keep: bool) -> str:
+    """What to do at import: ``"add"`` the flag, ``"warn"`` at the first
+    donation, ``"chosen"`` (the user switched XNNPACK off already) or
+    ``"none"`` (not XLA:CPU, or no such switch in this XLA)."""
+    if device.upper() != "CPU":
+        return "none"
+    value = chosen_value(xla_flags)
+    if value is False:
+        return "chosen"
+    if not supported:
+        return "none"
+    if value is True or runtime_started or keep:
+        return "warn"
+    return "add"
+
+
+def flag_supported(xlac_path: str) -> bool:
+    """True when the XLA inside ``_XLAC`` (at ``xlac_path``) knows the flag:
+    its name is among the flag names compiled into the library.  The
+    library is mapped by the import already, so the search reads memory
+    (tens of ms, once, on the CPU backend only)."""
+    try:
+        with open(xlac_path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            return m.find(FLAG[2:].encode() + b"\x00") >= 0
+    except (OSError, ValueError):
+        return False
+
+
+def _runtime_started(xlac) -> bool:
+    started = getattr(xlac, "_xla_runtime_is_initialized", None)
+    # Without the query (no supported release lacks it) assume the worst.
+    return True if started is None else bool(started())
+
+
+def protect_at_import(xlac) -> str:
+    """Adds the flag to ``XLA_FLAGS`` if it is needed and can still count;
+    returns what was decided: ``"added"``, or ``decide``'s answer."""
+    global _state
+    device = os.environ.get("PJRT_DEVICE", "")
+    xla_flags = os.environ.get("XLA_FLAGS", "")
+    # Only a CPU process that has not switched XNNPACK off pays for the search.
+    undecided = device.upper() == "CPU" and chosen_value(xla_flags) is not False
+    decision = decide(device, xla_flags, runtime_started=_runtime_started(xlac),
+                      supported=undecided and flag_supported(xlac.__file__),
+                      keep=os.environ.get(KEEP_ENV, "").strip().lower() == "keep")
+    if decision == "add":
+        os.environ["XLA_FLAGS"] = f"{xla_flags} {FLAG}=false".strip()
+        _log.info("added %s=false to XLA_FLAGS: XLA:CPU's XNNPACK can compute with a "
+                  "reused buffer's old contents (see torch_xla_donate.xla_cpu; %s=keep "
+                  "leaves XLA_FLAGS alone).", FLAG, KEEP_ENV)
+        decision = "added"
+    _state = decision
+    return decision
+
+
+def state() -> str:
+    """What the import decided: added, chosen, warn or none."""
+    return _state
+
+
+def warn_if_unprotected() -> bool:
+    """At the first donation in an unprotected CPU process: one
+    ``StaleReadWarning`` naming the flag.  True while a warning is still
+    due (the fast path of marking stays closed until it was given)."""
+    global _warned
+    if _state != "warn" or _warned:
+        return False
+    _warned = True
+    warnings.warn(
+        "torch_xla's CPU backend can compute a matmul with a buffer's old contents after "
+        "the buffer was reused in place (a donation, or torch_xla's own aliasing of "
+        "in-place updates), so a donating loop may drift from the same loop without "
+        "donation. This process runs with XLA:CPU's XNNPACK on (XLA_FLAGS turns it on, "
+        "torch_xla's runtime had started before torch_xla_donate was imported, or "
+        f"{KEEP_ENV}=keep). Set XLA_FLAGS='{FLAG}=false' before torch_xla starts (or "
+        "import torch_xla_donate first) to get values you can trust.",
+        StaleReadWarning,
+        stacklevel=user_stacklevel(),
+    )
+    return True
+
+
+def warning_due() -> bool:
+    """True until the first donation of an unprotected process has warned."""
+    return _state == "warn" and not _warned
