@@ -68,7 +68,6 @@ struct Candidate {
   std::string dtype;
   int64_t nbytes = 0;
   int64_t version = -1;
-  bool is_functional = false;
 };
 
 // The checks (plain XLA tensor, no view, no alias, not held by autograd,
@@ -87,14 +86,15 @@ bool Prepare(PyObject* t, Candidate* c) {
   }
   c->tensor = t;
   c->version = facts.version;
-  c->is_functional = facts.is_functional;
   return true;
 }
 
-// Pending computation?  For a functional tensor the id check of Prepare has
-// answered already: computed or updated in place since the last barrier, it
-// wraps an XLA tensor newer than that barrier.  1 / 0, -1 on error.
-int Pending(const Candidate& c) { return c.is_functional ? 0 : HasPendingIr(c.tensor); }
+// Pending computation?  Asked for every tensor, functional ones included:
+// torch_xla's own in-place functions (`xm.optimization_barrier_`, and the
+// like) give the XLA tensor a pending value without a new id or a new
+// version, so neither Prepare's id check nor the version counter sees it.
+// 1 / 0, -1 on error.
+int Pending(const Candidate& c) { return HasPendingIr(c.tensor); }
 
 Via ViaArg(PyObject* const* args, Py_ssize_t nargs, Py_ssize_t i) {
   if (nargs <= i) return Via::kDonateBuffer;
@@ -182,7 +182,7 @@ PyObject* TryMarkAll(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     }
     Candidate c;
     if (!Prepare(t, &c)) return PyLong_FromLong(-1);
-    if (!c.is_functional) probe.append(py::handle(t));  // see Pending()
+    probe.append(py::handle(t));  // see Pending()
     if (!c.shape.empty()) todo.push_back(std::move(c));  // a scalar is skipped
   }
   if (probe.size() > 0) {
@@ -325,17 +325,28 @@ void Disarm(py::list entries) {
 // freed with the entry) can arm nothing, and poisoning it would only make
 // freeing it dearer.  The typical loop rebinds its names, and then this
 // costs no torch_xla call at all.
-void DisarmAndPoison(py::list donors) {
+//
+// Never stops half-way: a donor whose poisoning fails (a tensor subclass
+// that changed its class since marking, say) is returned with the error's
+// text, after every other donor was handled; the caller reports it once the
+// commit is whole.  Returns a list of (entry, message).
+py::list DisarmAndPoison(py::list donors) {
   RequireBound();
+  py::list failed;
   for (size_t i = 0, n = donors.size(); i < n; ++i) {
+    PyObject* entry = PyList_GET_ITEM(donors.ptr(), i);
     PyObject* rec;
-    PyObject* t = TensorOf(PyList_GET_ITEM(donors.ptr(), i), &rec);
+    PyObject* t = TensorOf(entry, &rec);
     int unreachable = OnlyHeldByItsEntry(t);
     Check(unreachable >= 0);
     if (unreachable) continue;
     if (SetDonor(t, false) < 0) PyErr_Clear();
-    Check(Poison(t, rec) == 0);
+    if (Poison(t, rec) != 0) {
+      py::error_already_set error;  // takes the Python error
+      failed.append(py::make_tuple(py::handle(entry), py::str(error.what())));
+    }
   }
+  return failed;
 }
 
 // Settles in-flight entries: a deleted buffer is CONSUMED; a live one is

@@ -93,7 +93,9 @@ int TagAndSwapClass(PyObject* t, const RecordPtr& record, bool refuses_operators
   if (TagTensor(t, record) < 0) return -1;
   if (IsDonatedType(t)) return 0;
   PyObject* twin = PoisonClassFor(Py_TYPE(t), refuses_operators);
-  return twin ? PyObject_SetAttr(t, N().klass, twin) : -1;
+  // Generic: past a __setattr__ of the tensor's own class (poison.py's
+  // _set_class does the same).
+  return twin ? PyObject_GenericSetAttr(t, N().klass, twin) : -1;
 }
 
 }  // namespace
@@ -250,16 +252,18 @@ int Poison(PyObject* t, PyObject* record) {
   // The tensor torch_xla computes with: for a functional tensor (torch_xla's
   // default) the one it wraps, which every operator on `t` reaches after
   // functionalization unwrapped it; else `t` itself.
+  // That one first: once it refuses operators the value is safe, whatever
+  // happens to the wrapper the user holds.
   PyObject* inner = PyObject_CallOneArg(g_hooks.inner_of, t);
   if (!inner) return -1;
-  int rc = TagAndSwapClass(t, r, /*refuses_operators=*/inner == t);
-  if (rc == 0 && inner != t) rc = TagAndSwapClass(inner, r, /*refuses_operators=*/true);
+  int rc = TagAndSwapClass(inner, r, /*refuses_operators=*/true);
   uintptr_t impl = 0;
   if (rc == 0 && (!ImplAddress(inner, &impl) || impl == 0)) rc = -1;
   if (rc == 0 && !SetPythonDispatch(impl, true)) {
     PyErr_SetString(PyExc_RuntimeError, "cannot set the Python dispatch key of a donated tensor");
     rc = -1;
   }
+  if (rc == 0 && inner != t) rc = TagAndSwapClass(t, r, /*refuses_operators=*/false);
   Py_DECREF(inner);
   return rc;
 }

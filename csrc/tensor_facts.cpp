@@ -46,6 +46,11 @@ uintptr_t StorageAddress(uintptr_t address) {
   return storage ? reinterpret_cast<uintptr_t>(storage.unsafeGetStorageImpl()) : 0;
 }
 
+bool PyObjectOwnedByTensor(uintptr_t address) {
+  auto* impl = reinterpret_cast<c10::TensorImpl*>(address);
+  return impl->pyobj_slot()->owns_pyobj();
+}
+
 bool SetPythonDispatch(uintptr_t address, bool on) {
   auto* impl = reinterpret_cast<c10::TensorImpl*>(address);
   try {

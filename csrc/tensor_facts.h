@@ -48,6 +48,13 @@ bool ReadTensorFacts(uintptr_t impl, TensorFacts* out, bool with_sizes = true);
 // when these are equal.
 uintptr_t StorageAddress(uintptr_t impl);
 
+// True while the TensorImpl at `impl` owns its Python object: the object's
+// last Python reference is gone and C++ (an autograd graph) keeps the
+// tensor alive.  Code that finds such an object without torch's help (the
+// garbage collector hands it out) must not keep it: it would outlive its
+// TensorImpl.
+bool PyObjectOwnedByTensor(uintptr_t impl);
+
 // Turns c10's Python dispatch key of the TensorImpl at `impl` on or off:
 // with it, every operator that reaches this TensorImpl calls the
 // `__torch_dispatch__` of its Python object's class (see poison.py).

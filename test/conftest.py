@@ -1,5 +1,6 @@
 """Shared fixtures: every test runs on torch_xla's CPU PJRT backend."""
 import os
+import sys
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 
@@ -10,9 +11,39 @@ import torch_xla_donate as tdx
 from torch_xla_donate import _C, step_hook
 
 
+
+@pytest.fixture(scope="session", autouse=True)
+def xla_runtime():
+    """torch_xla's runtime up before any test runs: autograd sizes its device
+    queues at the first backward of the process, and a first backward on the
+    CPU (a doctest's) before the XLA runtime exists leaves XLA's devices out
+    ("device_ready_queues_ ... INTERNAL ASSERT FAILED" at every XLA
+    backward).  A fixture, not an import-time call: a test module may switch
+    SPMD on when it is imported, which must come first."""
+    torch_xla.device()
+
+
 @pytest.fixture
 def dev():
     return torch_xla.device()
+
+
+# torch's words when a tensor's Python object outlives its TensorImpl: code
+# that took the object from somewhere other than torch (the garbage
+# collector, a weak reference) and kept it (issue: a donated torch.func loop
+# printed it).  Printed by C++ to file descriptor 2, so captured per test.
+ZOMBIE_TENSOR = "Deallocating Tensor that still has live PyObject references"
+
+
+@pytest.fixture(autouse=True)
+def no_zombie_tensors(capfd):
+    """No test may make torch warn that a tensor's Python object outlived
+    its TensorImpl (the output stays in the test's report)."""
+    yield
+    out, err = capfd.readouterr()
+    sys.stdout.write(out)
+    sys.stderr.write(err)
+    assert ZOMBIE_TENSOR not in err, "a tensor's Python object outlived its TensorImpl"
 
 
 @pytest.fixture(autouse=True)

@@ -101,6 +101,52 @@ def test_donating_composes_with_torch_compile_without_graph_breaks(dev, order):
     assert tdx.last_step_report().reused == 1
 
 
+def _sgd_momentum(params, moms, grads):
+    new_m = [0.9 * m + g for m, g in zip(moms, grads)]
+    return [p - 0.1 * m for p, m in zip(params, new_m)], new_m
+
+
+def _sgd_momentum_donating_inside(params, moms, grads):
+    tdx.donate((params, moms))
+    return _sgd_momentum(params, moms, grads)
+
+
+_WRAPPER_ORDERS = {
+    "no donation": lambda: torch.compile(_sgd_momentum, backend="openxla"),
+    "donating(compile(f))": lambda: tdx.donating(
+        torch.compile(_sgd_momentum, backend="openxla"), donate_argnums=(0, 1)),
+    "compile(donating(f))": lambda: torch.compile(
+        tdx.donating(_sgd_momentum, donate_argnums=(0, 1)), backend="openxla"),
+    "donate inside compile(f)": lambda: torch.compile(_sgd_momentum_donating_inside,
+                                                      backend="openxla"),
+}
+
+
+@pytest.mark.parametrize("order", list(_WRAPPER_ORDERS))
+def test_no_wrapper_order_makes_dynamo_compile_again(dev, order):
+    """20 steps with new tensors each time compile as many dynamo graphs as
+    the same loop without donation (one): nothing the package runs under
+    dynamo may guard on an argument's identity (``id(leaf)`` once did, and
+    every step became a new graph)."""
+    step = _WRAPPER_ORDERS[order]()
+    params = [torch.randn(32, 32, device=dev) for _ in range(3)]
+    moms = [torch.zeros(32, 32, device=dev) for _ in range(3)]
+    grads = [torch.randn(32, 32, device=dev) for _ in range(3)]
+    torch_xla.sync()
+    reused_before = tdx.summary().totals.reused
+    for _ in range(20):
+        old = params + moms
+        params, moms = step(params, moms, grads)
+        torch_xla.sync()
+    counters = torch._dynamo.utils.counters
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert _graph_breaks() == 0
+    tdx.settle()
+    donated = order != "no donation"
+    assert all(tdx.is_deleted(t) for t in old) is donated
+    assert tdx.summary().totals.reused - reused_before == (120 if donated else 0)
+
+
 def test_donate_inside_a_compiled_function_is_a_graph_op(dev):
     @torch.compile(backend="openxla")
     def step(params, g):

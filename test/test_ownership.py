@@ -238,3 +238,27 @@ def test_torch_func_loops_under_load_never_refuse_or_drop(tmp_path):
     refused, dropped, unused, reused, donated = map(int, line.split()[1:])
     assert (refused, dropped, unused) == (0, 0, 0), line
     assert reused == donated == 2 * steps * 4
+
+
+def test_a_tensor_only_autograd_holds_is_not_kept_by_the_scan(dev):
+    """The garbage collector hands out the Python object of a tensor whose
+    last Python name is gone while a graph holds it; the scan of holders
+    leaves it to C++, so the graph going away in the middle of a scan (as
+    autograd's worker thread may do at any moment) frees it cleanly: torch
+    would otherwise warn that a tensor's Python object outlived it (the
+    suite-wide ``no_zombie_tensors`` fixture fails the test then)."""
+    import gc
+
+    from torch_xla_donate import ownership
+
+    w = torch.randn(4, 4, device=dev, requires_grad=True)
+    b = torch.nn.Parameter(torch.randn(4, 4, device=dev))
+    held_only_by_the_graph = id(b)
+    loss = (w * b).sum()  # saves b
+    del b
+    with ownership.scanning():
+        scanned = ownership.scan().tensors
+        assert all(id(o) != held_only_by_the_graph for o in scanned)
+        assert any(o is w for o in scanned)
+        del loss
+        gc.collect()

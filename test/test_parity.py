@@ -73,6 +73,29 @@ def test_the_wrapper_says_what_it_resolved():
     assert keyword_only.donate_argnums == () and keyword_only.donate_argnames == ("lr",)
 
 
+def test_argnums_into_varargs_are_resolved_as_in_jax(dev):
+    """Positions past the named parameters select elements of ``*args``: the
+    wrapper reports them (JAX: ``jit(f, donate_argnums=(0,)).donate_argnums``
+    of ``def f(*args)`` is ``(0,)``) and donates exactly those."""
+    def update(*states):
+        return [s * 0.5 for s in states]
+
+    def step(scale, *states):
+        return [s * scale for s in states]
+
+    assert tdx.donating(update, donate_argnums=(0, 2)).donate_argnums == (0, 2)
+    assert tdx.donating(step, donate_argnums=(0, 3)).donate_argnums == (0, 3)
+    assert tdx.donating(step, donate_argnames="states").donate_argnums == ()
+    a, b = _pair(dev)
+    c = (a * 3).clone()
+    torch_xla.sync()
+    out = tdx.donating(update, donate_argnums=(0, 2))(a, b, c)
+    torch_xla.sync()
+    tdx.settle()
+    assert [tdx.is_deleted(t) for t in (a, b, c)] == [True, False, True]
+    assert torch.equal(b.cpu(), out[1].cpu() * 2)
+
+
 def test_a_positional_only_parameter_cannot_be_named():
     def step(params, /, batch):
         return params

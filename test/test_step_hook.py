@@ -338,3 +338,87 @@ def test_open_verdicts_are_not_tracked_by_the_garbage_collector(dev):
     tdx.step_hook.settle_in_flight()
     assert all(record.verdict == _C.Verdict.CONSUMED for _, record in entries)
     assert [s.cpu()[0].item() for s in states[:3]] == [0.0, 2.0, 4.0]
+
+
+# -- A barrier never raises from the plugin's own checks ----------------------
+
+
+@pytest.fixture
+def broken_judgement(monkeypatch):
+    """The holders' judgement raises, as an unforeseen tensor might make it."""
+    from torch_xla_donate import ownership
+
+    def judge(t):
+        raise RuntimeError("an unforeseen tensor")
+
+    monkeypatch.setattr(ownership, "judge", judge)
+
+
+def test_a_check_that_cannot_decide_drops_the_mark_and_the_step_runs(dev, broken_judgement):
+    p = materialize(torch.full((4,), 3.0, device=dev))
+    tdx.donate_buffer(p)
+    view = p[0:2]  # a holder: the judgement runs at the barrier, and raises
+    new = p * 2
+    with pytest.warns(tdx.DroppedDonationWarning,
+                      match=r"could not decide .*RuntimeError: an unforeseen tensor"):
+        torch_xla.sync()
+    assert new.cpu().tolist() == [6.0] * 4  # the step ran
+    assert p.cpu().tolist() == [3.0] * 4 and view.cpu().tolist() == [3.0] * 2
+    assert not tdx.is_donated(p) and not torch_xla._XLAC._get_buffer_donation(p)
+    report = tdx.last_step_report()
+    assert report.dropped == 1 and report.in_flight == 0
+
+
+def test_warnings_made_errors_by_a_filter_come_after_the_step(dev):
+    """``-W error``: the warning a barrier gives raises, but only once the
+    step ran and every donation has its verdict."""
+    p = materialize(torch.full((4,), 3.0, device=dev))
+    q = materialize(torch.full((4,), 5.0, device=dev))
+    tdx.donate_buffer(p)
+    tdx.donate_buffer(q)
+    view = p[0:2]  # p's mark is dropped at the barrier, with a warning
+    new_p, new_q = p * 2, q * 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tdx.DroppedDonationWarning)
+        with pytest.raises(tdx.DroppedDonationWarning, match="live view or alias"):
+            torch_xla.sync()
+    assert new_p.cpu().tolist() == [6.0] * 4 and new_q.cpu().tolist() == [10.0] * 4
+    tdx.settle()
+    assert tdx.is_deleted(q) and not tdx.is_deleted(p)
+    assert view.cpu().tolist() == [3.0] * 2
+    assert tdx.last_step_report().in_flight == 0
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_the_torch_func_pattern_donates_under_any_grad_mode(dev, mode):
+    """``params = {k: v.detach() ...}`` shares storage with the module: the
+    ownership check waits for autograd's worker thread, which must work
+    whatever the caller's grad mode (an optimizer update runs under
+    ``no_grad``)."""
+    model = torch.nn.Linear(8, 8).to(dev)
+    torch_xla.sync()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    context = torch.no_grad() if mode == "no_grad" else torch.inference_mode()
+    with context:
+        assert tdx.donate(params) == 2
+        new = {k: v * 0.5 for k, v in params.items()}
+        torch_xla.sync()
+    tdx.settle()
+    assert all(tdx.is_deleted(v) for v in params.values())
+    with pytest.raises(tdx.DonatedBufferError, match="parameter 'weight' of Linear"):
+        model(torch.ones(1, 8, device=dev))
+    assert new["weight"].shape == (8, 8)
+
+
+def test_a_compiled_call_with_a_viewed_marked_argument_drops_it(dev):
+    step = torch.compile(lambda p, g: p * 0.5 + g, backend="openxla")
+    p = materialize(torch.full((4,), 2.0, device=dev))
+    g = materialize(torch.ones(4, device=dev))
+    tdx.donate_buffer(p)
+    view = p[0:2]
+    with pytest.warns(tdx.DroppedDonationWarning, match="live view or alias"):
+        with torch.no_grad():
+            new = step(p, g)
+        torch_xla.sync()
+    assert new.cpu().tolist() == [2.0] * 4 and p.cpu().tolist() == [2.0] * 4
+    assert view.cpu().tolist() == [2.0] * 2 and not tdx.is_deleted(p)

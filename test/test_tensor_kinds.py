@@ -222,3 +222,65 @@ def test_wrapper_subclass_has_no_buffer_of_its_own(dev):
     tdx.donate_buffer(w.inner)  # the advice works
     assert tdx.is_donated(inner)
     tdx.undonate(inner)
+
+
+class Guarded(torch.Tensor):
+    """Guards its attributes: ``t.__class__ = ...`` raises."""
+
+    def __setattr__(self, name, value):
+        if name == "__class__":
+            raise AttributeError("Guarded tensors keep their class")
+        super().__setattr__(name, value)
+
+
+class Pinned(torch.Tensor):
+    """Says it is a plain tensor: no class can be given to it."""
+
+    @property
+    def __class__(self):
+        return torch.Tensor
+
+
+def test_subclass_guarding_its_class_is_poisoned_all_the_same(dev):
+    """Poisoning goes past the subclass's ``__setattr__``: the step does not
+    raise half-way and the consumed tensor refuses use at the use site."""
+    t = torch.Tensor._make_subclass(Guarded, materialize(torch.ones(4, device=dev)))
+    tdx.donate_buffer(t)
+    new = torch.Tensor.add(t, 1)
+    torch_xla.sync(wait=True)
+    assert tdx.is_deleted(t) and isinstance(t, Guarded)
+    with pytest.raises(tdx.DonatedBufferError):
+        t + 1
+    assert new.cpu().tolist() == [2.0] * 4
+
+
+def test_subclass_that_cannot_change_class_is_refused_at_marking(dev):
+    t = torch.Tensor._make_subclass(Pinned, materialize(torch.ones(4, device=dev)))
+    with pytest.raises(TypeError, match=r"cannot donate a .*Pinned.*refuses that.*Donate a plain"):
+        tdx.donate_buffer(t)
+    assert type(t) is Pinned and _C.marked_count() == 0
+    with pytest.raises(TypeError, match=r"cannot donate tree\[0\].*Pinned"):
+        tdx.donate([t])
+    assert _C.marked_count() == 0
+
+
+def test_class_changed_after_marking_fails_the_sync_after_the_step_ran(dev):
+    """The step's results are intact, the other donors are poisoned, the
+    tensor torch_xla computes with refuses operators, and the error names
+    the class."""
+    plain = materialize(torch.ones(4, device=dev))
+    t = torch.Tensor._make_subclass(Tagged, plain)
+    other = materialize(torch.full((4,), 2.0, device=dev))
+    del plain
+    tdx.donate_buffer(t)
+    tdx.donate_buffer(other)
+    object.__setattr__(t, "__class__", Pinned)  # now it cannot take a twin class
+    new = torch.Tensor.add(t, 1)
+    new_other = other * 3
+    with pytest.raises(TypeError, match=r"could not mark the donated Pinned f32\[4\].*results are intact"):
+        torch_xla.sync(wait=True)
+    assert new.cpu().tolist() == [2.0] * 4 and new_other.cpu().tolist() == [6.0] * 4
+    tdx.settle()
+    assert tdx.is_deleted(other)
+    with pytest.raises(tdx.DonatedBufferError):
+        torch.Tensor.add(t, 1)

@@ -86,6 +86,31 @@ def buffer_owner_ids(tensors) -> list:
     return _XLAC._get_tensors_xla_device_data_node(tensors)[0]
 
 
+def owners_of(tensors):
+    """For each tensor without pending IR, whether its buffer is filed under
+    its own tensor id (or under nobody): ``(flags, owner_ids)``, or
+    ``(None, owner_ids)`` when some of them share one buffer (torch_xla lists
+    a shared buffer once, so the answers no longer line up).  One query for
+    the list.
+
+    The tricky case: a copy that took its source's buffer at a barrier
+    (``load_state_dict``, ``copy_``, ``t.to(device, copy=True)``) becomes the
+    buffer's owner, so the *source* reads False here, alive or not.
+    """
+    tensors = list(tensors)
+    if _DATA_NODES_TAKE_UNCLONED:
+        # torch_xla hands back the very tensor passed for a buffer filed
+        # under its id: an identity test, no id query per tensor.
+        ids, held = _XLAC._get_tensors_xla_device_data_node(tensors, tensors)
+        if len(ids) != len(tensors):
+            return None, ids
+        return [h is t or i == NO_OWNER for t, h, i in zip(tensors, held, ids)], ids
+    ids = _XLAC._get_tensors_xla_device_data_node(tensors)[0]
+    if len(ids) != len(tensors):
+        return None, ids
+    return [i in (tensor_id(t), NO_OWNER) for t, i in zip(tensors, ids)], ids
+
+
 # torch_xla 2.7's _get_tensors_xla_device_data_node takes the output tensors
 # only; 2.8 added the list of tensors to hand back uncloned.
 _DATA_NODES_TAKE_UNCLONED = "uncloned" in (_XLAC._get_tensors_xla_device_data_node.__doc__ or "")

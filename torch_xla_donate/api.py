@@ -142,6 +142,7 @@ def _check_donatable(tensor) -> None:
         "own __torch_dispatch__ (a wrapper made with _make_wrapper_subclass): it has "
         "no XLA buffer of its own to donate. Donate the XLA tensors it wraps instead.",
     )
+    poison.check_poisonable(tensor)  # a subclass that cannot take its twin class
     torch._check_value(
         _xla.is_xla(tensor),
         lambda: f"donate_buffer expects a tensor on an XLA device, got one on "

@@ -27,11 +27,16 @@ Around the real barrier (see executions.py for which barriers commit):
 them with no frame of ours on the stack.  The hook lock is held from
 ``before`` to ``after``.
 """
-from . import _C, _xla, config, failures, ownership, verdicts, xla_cpu
-from . import devices as _devices
-from .hook_lock import lock
+import sys
 
-__all__ = ["barrier_before", "barrier_after", "flush_before", "flush_after", "refresh_fast_path"]
+from . import _C, _xla, config, failures, ownership, sharing, verdicts, xla_cpu
+from . import devices as _devices
+from .errors import DroppedDonationWarning
+from .hook_lock import lock
+from .messages import Notices
+
+__all__ = ["barrier_before", "barrier_after", "decide", "undecided", "split", "arm", "finish",
+           "flush_before", "flush_after", "refresh_fast_path"]
 
 
 def refresh_fast_path() -> None:
@@ -46,13 +51,15 @@ def refresh_fast_path() -> None:
 
 
 class _Commit:
-    """What ``before`` hands ``after``: the barrier's device, step, and the
-    donors whose flags are armed."""
+    """What ``before`` hands ``after``: the barrier's device, step, the
+    donors whose flags are armed, and the warnings held back until the
+    commit is whole (messages.Notices)."""
 
-    __slots__ = ("device", "step", "donors", "wait")
+    __slots__ = ("device", "step", "donors", "wait", "notices")
 
-    def __init__(self, device, step, donors, wait):
+    def __init__(self, device, step, donors, wait, notices):
         self.device, self.step, self.donors, self.wait = device, step, donors, wait
+        self.notices = notices
 
 
 _FLUSH = object()  # a barrier that commits nothing
@@ -65,6 +72,10 @@ def barrier_before(device="", devices=(), wait=True, reset_scope=True, *, commit
     ``commits=False``: a flush that leaves the marks as they are.
     ``abandon=True``: the sync that ends a step block whose body raised: its
     marks are committed and abandoned (STEP_FAILED).
+
+    Never raises from the plugin's own checks: the user's step must run.  A
+    check that cannot decide drops the step's marks (values kept) with a
+    ``DroppedDonationWarning`` given after the barrier.
     """
     lock.acquire()
     try:
@@ -76,22 +87,58 @@ def barrier_before(device="", devices=(), wait=True, reset_scope=True, *, commit
         # be dispatching, and a buffer reads as deleted while XLA holds it for
         # a donation it may yet give back (see verdicts.py).
         step, tensors, records = _devices.begin_step_on(here)
-        donors = split(tensors, records)
+        notices = Notices()
+        try:
+            donors = decide(tensors, records, notices, abandon=abandon)
+        except Exception as error:  # the plugin's own check failed, not the step
+            donors = undecided(tensors, records, error, notices)
         del tensors, records  # from here on only the entries refer to them
-        if donors and not config.enabled():
-            verdicts.abandon(donors, _C.Verdict.DISABLED)  # switched off after marking
-            donors = []
-        elif donors and abandon:
-            verdicts.abandon(donors, _C.Verdict.STEP_FAILED)
-            donors = []
-        return _Commit(here, step, arm(donors), wait)
+        return _Commit(here, step, donors, wait, notices)
     except BaseException:
         lock.release()
         raise
 
 
+def decide(tensors, records, notices, abandon=False) -> list:
+    """The donors of a committed step, armed: ``split``, then the switches,
+    then ``arm``."""
+    donors = split(tensors, records, notices)
+    if donors and not config.enabled():
+        verdicts.abandon(donors, _C.Verdict.DISABLED)  # switched off after marking
+        return []
+    if donors and abandon:
+        verdicts.abandon(donors, _C.Verdict.STEP_FAILED)
+        return []
+    return arm(donors, notices)
+
+
+def undecided(tensors, records, error, notices) -> list:
+    """A check of the commit raised: no flag stays armed, every mark of the
+    step not settled yet is dropped (CANCELLED, value kept), and the warning
+    says why.  Returns no donor."""
+    for t in tensors:
+        try:
+            _xla.set_donor(t, False)
+        except Exception:
+            pass  # not an XLA tensor: nothing was armed on it
+    dropped = [r for r in records if r.verdict == _C.Verdict.IN_FLIGHT]
+    for record in dropped:
+        _C.settle(record, _C.Verdict.CANCELLED)
+    if dropped:
+        notices.add(
+            DroppedDonationWarning,
+            "Donations dropped before a step{at_step}: {items}. torch_xla_donate could not "
+            f"decide whether they could be donated ({type(error).__name__}: {error}); the "
+            "step ran without them and these tensors keep their values. Please report "
+            "this with the message.",
+            dropped,
+        )
+    return []
+
+
 def barrier_after(token, result, error):
-    """The second half of a step barrier: see the module docstring."""
+    """The second half of a step barrier: see the module docstring.  The
+    warnings held back are given last, once the lock is released."""
     try:
         if token is _FLUSH:
             return result
@@ -100,21 +147,49 @@ def barrier_after(token, result, error):
             failures.note_failure()
             verdicts.failed(token.donors)
             return result
-        # The donor set is fixed: clear the flags and poison the donors the
-        # user still holds (one only its entry refers to cannot be put into
-        # another graph, and its buffer goes with it: see hot_path.cpp).
-        _C.disarm_and_poison(token.donors)
-        if ownership._companions:
-            ownership.poison_companions([record.id for _, record in token.donors])
         ownership.note_barrier(token.device)
         _devices.dispatched(token.device, token.step if token.wait else token.step - 1)
-        verdicts.after_commit(token.device, token.donors, certain=token.wait)
+        finish(token.device, token.donors, token.notices, certain=token.wait)
         return result
     finally:
         lock.release()
+        if token is not _FLUSH and token.notices:
+            token.notices.deliver(quietly=sys.exc_info()[1] is not None)
 
 
-def split(tensors, records) -> list:
+def finish(device, donors, notices, certain: bool) -> None:
+    """The end of every commit (a step barrier's, a compiled call's), once
+    the execution's donor set is fixed: clear the flags, poison the donors
+    the user still holds and their companions, leave the verdicts in flight.
+
+    A donor nothing but its entry refers to is skipped: no code can put it
+    into another graph, and its buffer goes with it (hot_path.cpp).  A donor
+    that cannot be poisoned does not stop the others: a ``TypeError`` naming
+    its class is held in ``notices`` and raised once the commit is whole
+    (the step's results are intact; operators on the tensor still raise
+    ``DonatedBufferError``, which the tensor torch_xla computes with carries).
+    """
+    failed = _C.disarm_and_poison(donors)
+    if failed:
+        notices.fail(_unpoisoned_error(failed))
+    if ownership._companions:
+        ownership.poison_companions([record.id for _, record in donors])
+    verdicts.after_commit(device, donors, certain=certain)
+
+
+def _unpoisoned_error(failed) -> TypeError:
+    (t, record), message = failed[0]
+    more = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
+    return TypeError(
+        f"torch_xla_donate could not mark the donated {type(t).__qualname__} "
+        f"{record.shape_string}{more} as donated after step {record.step} ({message}). The "
+        f"step ran and its results are intact, and operators on the tensor still raise "
+        f"DonatedBufferError, but Python code that only looks at the object will not be "
+        f"told. Do not change the class of a tensor between donating it and the step."
+    )
+
+
+def split(tensors, records, notices) -> list:
     """Splits committed marks: returns the ``(tensor, record)`` entries that
     stay donors, settling the others (updated in place, holders alive)."""
     if not tensors:
@@ -132,11 +207,12 @@ def split(tensors, records) -> list:
     # holding it -> ``held``, for ownership.py; else a donor.
     donors, held = _C.split_committed(tensors, records, pending)
     if held:
-        donors += ownership.judge_at_commit(held)
-    return donors
+        donors += ownership.judge_at_commit(held, notices)
+    # Buffers torch_xla shares between distinct tensors (sharing.py).
+    return sharing.screen(donors, notices)
 
 
-def arm(donors) -> list:
+def arm(donors, notices) -> list:
     """Sets the donor flag on the buffer each donor holds now; returns the
     armed entries.  One torch_xla refuses (no plain device data: its value
     is a view or pending after all) is dropped."""
@@ -145,7 +221,8 @@ def arm(donors) -> list:
     armed, refused = _C.arm(donors)
     if refused:
         ownership.drop(refused, "torch_xla refused them as donors: their values are not "
-                                "plain device data (a view, or a copy that has not run)")
+                                "plain device data (a view, or a copy that has not run)",
+                       notices)
     return armed
 
 

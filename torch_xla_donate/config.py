@@ -9,6 +9,11 @@ Both can be set by environment variable (read at import) or by
 * ``TORCH_XLA_DONATE_DISABLE=1`` / ``configure(enabled=False)``: for
   debugging, ``donate_buffer`` checks its argument and then does nothing,
   warning once.  Nothing is donated or poisoned.
+* ``TORCH_XLA_DONATE_CHECK_SHARING=1`` / ``configure(check_sharing=True)``:
+  every commit compares the donors' device buffers with those of all live
+  tensors, to see copies torch_xla backs with a donor's buffer that the
+  always-on check cannot (sharing.py); costs a walk of the live objects per
+  step that donates.
 
 >>> import torch_xla_donate as tdx
 >>> old = tdx.configure(strict=True)
@@ -18,7 +23,7 @@ True
 import os
 import threading
 
-__all__ = ["configure", "strict", "enabled"]
+__all__ = ["configure", "strict", "enabled", "check_sharing"]
 
 _lock = threading.Lock()
 
@@ -30,6 +35,7 @@ def _env_flag(name: str) -> bool:
 _state = {
     "strict": _env_flag("TORCH_XLA_DONATE_STRICT"),
     "enabled": not _env_flag("TORCH_XLA_DONATE_DISABLE"),
+    "check_sharing": _env_flag("TORCH_XLA_DONATE_CHECK_SHARING"),
 }
 
 
@@ -38,18 +44,18 @@ _state = {
 changed_listeners = []
 
 
-def configure(*, strict=None, enabled=None) -> dict:
+def configure(*, strict=None, enabled=None, check_sharing=None) -> dict:
     """Sets the switches given (None leaves one as it is); returns the
     previous values, so ``configure(**previous)`` restores them."""
-    for name, value in (("strict", strict), ("enabled", enabled)):
+    given = {"strict": strict, "enabled": enabled, "check_sharing": check_sharing}
+    for name, value in given.items():
         if value is not None and not isinstance(value, bool):
             raise TypeError(f"configure({name}=...) expects True or False, got {value!r}")
     with _lock:
         previous = dict(_state)
-        if strict is not None:
-            _state["strict"] = strict
-        if enabled is not None:
-            _state["enabled"] = enabled
+        for name, value in given.items():
+            if value is not None:
+                _state[name] = value
     for listener in changed_listeners:
         listener()
     return previous
@@ -61,3 +67,7 @@ def strict() -> bool:
 
 def enabled() -> bool:
     return _state["enabled"]
+
+
+def check_sharing() -> bool:
+    return _state["check_sharing"]

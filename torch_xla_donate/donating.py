@@ -52,8 +52,9 @@ documentation long admitted that arguments passed by keyword escaped
   ``*args``/``**kwargs`` donates all of it; with ``**kwargs`` any other name
   donates that keyword when it is passed.
 * The wrapper's ``donate_argnums`` and ``donate_argnames`` say what was
-  resolved: every selected positional parameter's position, and every
-  selected parameter's name, however it was selected.
+  resolved: every selected positional parameter's position (and every
+  element of ``*args`` selected by position), and every selected
+  parameter's name, however it was selected.
 * Mistakes are caught when wrapping, not on the first call: an index out of
   range, an unknown name or an empty selection raise an error naming the
   function, its parameters and the fix.

@@ -46,6 +46,7 @@ import torch
 
 from . import _C, _xla, commit, executions, failures, ownership, poison, verdicts, xla_cpu
 from .hook_lock import lock
+from .messages import Notices
 from .sites import user_site
 
 __all__ = ["install", "uninstall", "installed", "TRAMPOLINES", "donate_in_graph"]
@@ -85,7 +86,8 @@ class _CompiledGraph:
                       and _C.is_marked(a) and not a.requires_grad]
         if self._static is None:  # the first call: learn the graph's own donors
             self._variant(frozenset(candidates), args)
-        step, donors = self._commit(args, candidates)
+        notices = Notices()
+        step, donors = self._commit(args, candidates, notices)
         donated = {id(t) for t, _ in donors}
         pattern = frozenset(i for i, a in enumerate(args) if id(a) in donated) - self._static
         fn = self._variants.get(pattern) or self._variant(pattern, args)
@@ -95,18 +97,18 @@ class _CompiledGraph:
         except BaseException:
             failures.note_failure()
             verdicts.failed(donors)
+            notices.deliver(quietly=True)
             raise
         if donors:
             with lock:
-                _C.disarm_and_poison(donors)
-                if ownership._companions:
-                    ownership.poison_companions([record.id for _, record in donors])
-                verdicts.after_commit(donors[0][0].device, donors, certain=False)
+                commit.finish(donors[0][0].device, donors, notices, certain=False)
+        notices.deliver()
         return result
 
-    def _commit(self, args, candidates):
+    def _commit(self, args, candidates, notices):
         """Commits the marks of the call's arguments (and the graph's own
-        donations): (step, donor entries)."""
+        donations): (step, donor entries).  Never raises from the plugin's
+        own checks (see commit.barrier_before)."""
         static = [args[i] for i in self._static if _xla.is_xla_tensor(args[i])]
         with lock:
             if static:
@@ -121,7 +123,10 @@ class _CompiledGraph:
             if not tensors:
                 return None, []
             step, tensors, records = _C.begin_step(tensors)
-            return step, commit.split(tensors, records)
+            try:
+                return step, commit.split(tensors, records, notices)
+            except Exception as error:  # the plugin's own check, not the call
+                return step, commit.undecided(tensors, records, error, notices)
 
     def _variant(self, pattern, args):
         """Extracts the graph with the flags of ``pattern``'s arguments armed

@@ -36,7 +36,6 @@ c10.  A marked copy that has not been through a barrier yet is refused
 from outside torch_xla (README, "Limits").
 """
 import contextlib
-import gc
 import threading
 
 import torch
@@ -44,10 +43,10 @@ import torch
 from . import _C, _xla, poison
 from .dtypes import shape_string
 from .errors import DroppedDonationWarning
-from .messages import warn_records
 
 __all__ = ["judge", "judge_at_commit", "drop", "held_by_autograd", "owns_its_buffer",
-           "note_barrier", "settle_autograd", "scan", "poison_companions"]
+           "note_barrier", "settled_id", "settle_autograd", "scan", "poison_companions",
+           "storage_of"]
 
 
 def held_by_autograd(t) -> bool:
@@ -83,9 +82,26 @@ def settle_autograd(device) -> None:
     its result.  A backward on the same device is queued behind that: once
     it has run, the earlier graph is gone.  Nothing is executed on the
     device (the lazy result is dropped).
+
+    The tricky case: the caller's grad mode.  Optimizer updates run under
+    ``torch.no_grad()``, serving under ``torch.inference_mode()``, and a
+    ``torch.compile`` call runs with grad off; the probe backward needs
+    autograd on whatever the caller's mode is, so it switches it on for
+    itself only.
+
+    >>> import torch_xla
+    >>> with torch.inference_mode():
+    ...     settle_autograd(torch_xla.device())
+    >>> torch.is_grad_enabled()
+    True
+
+    (On an XLA device: autograd sizes its device queues at its first
+    backward, and a first backward on the CPU before torch_xla's runtime is
+    up would leave XLA's out.)
     """
-    x = torch.zeros((), device=device, requires_grad=True)
-    torch.autograd.grad(x * 1.0, x)
+    with torch.inference_mode(False), torch.enable_grad():
+        x = torch.zeros((), device=device, requires_grad=True)
+        torch.autograd.grad(x * 1.0, x)
 
 
 # -- Holders ----------------------------------------------------------------------
@@ -160,12 +176,10 @@ class _Scan:
     the modules holding them, and the leaves autograd graphs accumulate into."""
 
     def __init__(self):
-        objects = gc.get_objects()
-        # issubclass(type(o), ...), not isinstance: isinstance asks some
-        # objects for a __class__ property, which may warn or compute.
-        self.tensors = [o for o in objects if issubclass(type(o), torch.Tensor)]
-        modules = [o for o in objects if issubclass(type(o), torch.nn.Module)]
-        del objects
+        # Not the Python objects of tensors only C++ keeps alive (see
+        # live_objects in csrc/module.cpp): no Python code holds those, and
+        # ours must not outlive their TensorImpls.
+        self.tensors, modules = _C.live_objects((torch.Tensor, torch.nn.Module))
         self._names = {}
         for m in modules:
             for kind, named in (("parameter", m.named_parameters()), ("buffer", m.named_buffers())):
@@ -179,7 +193,7 @@ class _Scan:
     def sharing(self, address, t):
         seen = {id(t)}
         for o in self.tensors + self._accumulated_leaves():
-            if id(o) not in seen and _storage_of(o) == address:
+            if id(o) not in seen and storage_of(o) == address:
                 seen.add(id(o))
                 yield o
 
@@ -225,7 +239,7 @@ def _attribute(t, name):
         return None
 
 
-def _storage_of(t) -> int:
+def storage_of(t) -> int:
     """The address of ``t``'s StorageImpl; 0 for none (or a tensor torch
     cannot describe, as found among the garbage collector's objects)."""
     try:
@@ -260,10 +274,11 @@ def scan() -> _Scan:
 
 # -- At the commit ----------------------------------------------------------------
 
-def judge_at_commit(held) -> list:
+def judge_at_commit(held, notices) -> list:
     """Decides the committed entries ``split_committed`` found held by
     another tensor or by autograd; returns those that may be donated after
-    all (their companions registered), settling the others CANCELLED."""
+    all (their companions registered), settling the others CANCELLED (their
+    warnings go to ``notices``, given once the commit is whole)."""
     settle_autograd(held[0][0].device)
     donors, dropped = [], {}
     with scanning():
@@ -275,15 +290,16 @@ def judge_at_commit(held) -> list:
                 donors.append(entry)
                 register_companions(entry[1], judgement.companions)
     for why, entries in dropped.items():
-        drop(entries, why)
+        drop(entries, why, notices)
     return donors
 
 
-def drop(entries, why: str) -> None:
-    """Settles ``entries`` CANCELLED (value kept) with one warning."""
+def drop(entries, why: str, notices) -> None:
+    """Settles ``entries`` CANCELLED (value kept); one warning, held in
+    ``notices`` (messages.Notices) until the commit is whole."""
     for _, record in entries:
         _C.settle(record, _C.Verdict.CANCELLED)
-    warn_records(
+    notices.add(
         DroppedDonationWarning,
         "Donations dropped before a step{at_step}: {items}. Since they were marked, " + why
         + ". These tensors keep their values.",
@@ -330,17 +346,29 @@ def settle_companions() -> None:
 # -- Copies sharing their source's buffer -----------------------------------------
 
 def owns_its_buffer(t) -> bool:
-    """False for a tensor whose value is still another tensor's device buffer.
+    """False for a copy that has no buffer of its own yet.
 
     torch_xla backs a copy or clone made since the last barrier (``s.clone()``,
     ``t.copy_(s)``, ``s.to(device, copy=True)``, ``torch.tensor(s)``) with the
-    source's buffer until a barrier gives it its own: donating the copy then
-    would destroy the source.  torch_xla files a buffer under the tensor that
-    last took it as its own; a buffer uploaded from the host and never read
-    by a graph is filed under nobody and belongs to its one tensor.
+    source's buffer, filed under the source's (older) tensor id: donating the
+    copy would destroy the source, and marking refuses it.
+
+    The tricky case is the other direction.  Some copies keep that buffer
+    after the barrier, and torch_xla then files it under the copy, a *newer*
+    tensor id: the source is not refused here, because whether the copy is
+    still alive can only be told by looking at the live tensors, which the
+    commit does for every donor alike (sharing.py).  A buffer filed under
+    nobody belongs to its one tensor.
     """
-    owners = _xla.buffer_owner_ids([t])
-    return owners[0] in (_xla.tensor_id(t), _xla.NO_OWNER)
+    me = _xla.tensor_id(t)
+    if me <= settled_id():
+        # Older than the last barrier, which gave every copy then alive a
+        # buffer (or the buffer it shares, sharing.py's business).  Not asked:
+        # such a tensor may be an output still being computed, and torch_xla
+        # crashes asking about one that is sharded.
+        return True
+    owner = _xla.buffer_owner_ids([t])[0]
+    return owner in (me, _xla.NO_OWNER) or owner > me
 
 
 # The newest tensor id known to have its own buffer, per device: a barrier
@@ -350,10 +378,16 @@ def owns_its_buffer(t) -> bool:
 _settled_ids = {}
 
 
+def settled_id() -> int:
+    """The newest tensor id older than the last barrier of every device
+    (-1 until each device has had one)."""
+    every_device = _settled_ids and len(_settled_ids) >= _xla.local_device_count()
+    return min(_settled_ids.values()) if every_device else -1
+
+
 def note_barrier(device) -> None:
     """After a barrier of ``device``: every tensor older than now has its own
     buffer there."""
     probe = torch.empty(0, device=device)
     _settled_ids[device] = _xla.tensor_id(probe)
-    every_device = len(_settled_ids) >= _xla.local_device_count()
-    _C.set_settled_ids(min(_settled_ids.values()) if every_device else -1)
+    _C.set_settled_ids(settled_id())

@@ -42,7 +42,8 @@ from . import _C
 from .dtypes import shape_string
 from .errors import DonatedBufferError
 
-__all__ = ["poison", "unpoison", "is_poisoned", "donation_record", "donated_error"]
+__all__ = ["poison", "unpoison", "is_poisoned", "donation_record", "donated_error",
+           "check_poisonable"]
 
 # Set by verdicts.py: settles an in-flight tensor's verdict (a use is waiting).
 _settle_hook = None
@@ -153,11 +154,14 @@ def poison(t: torch.Tensor, record, note: str = "") -> None:
     the same as this, tensor by tensor.
     """
     inner = _inner(t)
-    for x in _both(t, inner):
+    # The tensor torch_xla computes with first: once it refuses operators,
+    # the value is safe whatever happens to the wrapper.
+    for x in reversed(_both(t, inner)):
         _C.tag_record(x, record, note)
         if not isinstance(x, _DonatedTensor):
-            x.__class__ = _poison_class_for(type(x), refuses_operators=x is inner)
-    _C.set_python_dispatch(inner, True)
+            _set_class(x, _poison_class_for(type(x), refuses_operators=x is inner))
+        if x is inner:
+            _C.set_python_dispatch(inner, True)
 
 
 def unpoison(t: torch.Tensor) -> None:
@@ -166,8 +170,44 @@ def unpoison(t: torch.Tensor) -> None:
     _C.set_python_dispatch(inner, False)
     for x in _both(t, inner):
         if isinstance(x, _DonatedTensor):
-            x.__class__ = type(x)._original_class
+            _set_class(x, type(x)._original_class)
         _C.untag_record(x)
+
+
+def _set_class(t, cls) -> None:
+    """``t.__class__ = cls``, past a ``__setattr__`` the tensor's own class
+    may define (a subclass guarding its attributes must not make a step
+    fail half-way through poisoning)."""
+    object.__setattr__(t, "__class__", cls)
+
+
+def check_poisonable(t) -> None:
+    """Raises TypeError unless ``t``'s class can take its donated twin, which
+    poisoning gives it after the step (tried on ``t`` and undone).
+
+    The tricky case: a tensor subclass whose instances cannot change class
+    (``__slots__`` the twin cannot share, a metaclass that forbids it).
+    Found at marking, the donation is refused and nothing is lost; found
+    after the step, its value would be gone with no way to say so at the
+    use site.
+
+    >>> check_poisonable(torch.ones(1))
+    """
+    cls = type(t)
+    if cls in (torch.Tensor, torch.nn.Parameter) or isinstance(t, _DonatedTensor):
+        return
+    twin = _poison_class_for(cls)
+    try:
+        _set_class(t, twin)
+    except (TypeError, AttributeError) as error:
+        raise TypeError(
+            f"cannot donate a {cls.__qualname__}: after the step torch_xla_donate marks a "
+            f"consumed tensor by giving it a twin of its class, and {cls.__qualname__} "
+            f"refuses that ({error}). Donate a plain tensor with the same value instead "
+            f"(torch.Tensor._make_subclass(torch.Tensor, t) shares its buffer), or give "
+            f"{cls.__qualname__} a layout its subclasses can share (no __slots__)."
+        ) from None
+    _set_class(t, cls)
 
 
 def _both(t, inner=None):

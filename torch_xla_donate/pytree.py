@@ -80,16 +80,24 @@ def donate(tree) -> int:
 
 def _donate_in_graph(trees) -> int:
     """``donate`` while dynamo traces it (see dynamo.py): one graph op per
-    distinct tensor leaf; the compiled graph donates them on every call."""
-    tensors = {}
+    tensor leaf; the compiled graph donates them on every call.  Returns the
+    number of leaves (a tensor reached twice counts twice here).
+
+    The tricky case: nothing here may look at a tensor's identity.  Dynamo
+    guards on what the traced code reads, and ``id(leaf)`` (a dict keyed by
+    it, to skip tied weights) made it guard on each argument's object id:
+    every call with new tensors, that is every training step, compiled a new
+    graph.  Marking a tensor twice is harmless (the op sets a flag), so
+    leaves are not deduplicated.
+    """
+    tensors = []
     for tree in trees:
         for leaf in pytree.tree_leaves(tree):
             if isinstance(leaf, torch.nn.Module):
-                for t in list(leaf.parameters()) + list(leaf.buffers()):
-                    tensors[id(t)] = t
+                tensors += list(leaf.parameters()) + list(leaf.buffers())
             elif isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-                tensors[id(leaf)] = leaf
-    dynamo.donate_in_graph(list(tensors.values()))
+                tensors.append(leaf)
+    dynamo.donate_in_graph(tensors)
     return len(tensors)
 
 

@@ -13,6 +13,13 @@ signature is the function's own business: it raises its ``TypeError``, and
 ((0,), ('params', 'lr'))
 >>> [label for label, _ in s.arguments(("P", "B"), {"lr": 0.5})]
 ['params', 'lr']
+
+The tricky case for ``argnums``: a position past the named parameters is an
+element of ``*args``, and is reported as selected (as JAX does):
+
+>>> def f(*args): ...
+>>> Selection(f, (0, 2), ()).argnums
+(0, 2)
 """
 import difflib
 import inspect
@@ -61,8 +68,11 @@ class Selection:
         targets += [self._from_name(n) for n in argnames]
         self._targets = list(dict.fromkeys(targets))  # selected both ways: once
         names = [key for kind, key in self._targets if kind == "param"]
-        self.argnums = tuple(sorted(self._positional.index(n) for n in names
-                                    if n in self._positional))
+        # What was resolved, as in JAX: the positions of the selected
+        # positional parameters and of the selected elements of *args.
+        varargs = [len(self._positional) + key for kind, key in self._targets if kind == "vararg"]
+        self.argnums = tuple(sorted({self._positional.index(n) for n in names
+                                     if n in self._positional} | set(varargs)))
         self.argnames = tuple(n for n in self._names if n in names)
 
     def _no_signature(self, argnums, argnames, error) -> None:
