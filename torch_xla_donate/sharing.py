@@ -73,14 +73,14 @@ def screen(donors, notices) -> list:
         return donors
     tensors = [t for t, _ in donors]
     if config.check_sharing():
-        suspects, owners = list(range(len(donors))), None
+        owners = [(None, None)] * len(donors)
+        suspects = list(range(len(donors)))
     else:
-        flags, owners = _xla.owners_of(tensors)
-        if flags is None:  # some of them share one buffer: look at all
-            suspects, owners = list(range(len(donors))), None
-        else:
-            suspects = [i for i, own in enumerate(flags)
-                        if not own and owners[i] not in _dead_owners]
+        # own is None where the answer does not say (some donors share one
+        # buffer): those are looked at too.
+        owners = _xla.owners_of(tensors)
+        suspects = [i for i, (own, owner) in enumerate(owners)
+                    if not own and owner not in _dead_owners]
         if not suspects:
             return donors
     dropped = {}
@@ -92,8 +92,8 @@ def screen(donors, notices) -> list:
                 if len(sharers) > 3:
                     names += f" and {len(sharers) - 3} more"
                 dropped.setdefault(_WHY.format(names=names), []).append(donors[i])
-            elif owners is not None:
-                _dead_owners.add(owners[i])
+            elif owners[i][1] is not None:
+                _dead_owners.add(owners[i][1])
     for why, entries in dropped.items():
         ownership.drop(entries, why, notices)
     gone = {id(e) for entries in dropped.values() for e in entries}
@@ -107,8 +107,11 @@ def live_sharers(tensors, donors) -> list:
     skip = {id(t) for t in donors}
     candidates = [o for o in ownership.scan().tensors if id(o) not in skip and _is_live_xla(o)]
     if candidates:
+        # Without pending work, and with a buffer: not consumed (a donor only
+        # the plugin's open verdicts still hold is not poisoned) nor still
+        # being computed (a fresh output shares nothing).
         pending = _xla.has_pending_ir(candidates)
-        candidates = [o for o, p in zip(candidates, pending) if not p]
+        candidates = [o for o, p in zip(candidates, pending) if not p and not _xla.buffer_deleted(o)]
     by_handle = {}
     for o, handle in zip(candidates, _handles(candidates)):
         if handle is not None:
