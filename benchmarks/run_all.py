@@ -20,6 +20,7 @@ BENCHMARKS = {
     "overhead": ("bench_overhead.py", [], ["--rounds", "4"]),
     "async": ("bench_async.py", [], ["--repeats", "1", "--windows", "3"]),
     "compiles": ("bench_compiles.py", [], ["--steps", "10"]),
+    "sharing": ("bench_sharing.py", [], ["--rounds", "3"]),
 }
 
 
