@@ -29,8 +29,8 @@ CXX11_ABI = int(torch._C._GLIBCXX_USE_CXX11_ABI)
 
 ext = Pybind11Extension(
     "torch_xla_donate._C",
-    sources=sorted(glob.glob("csrc/*.cpp")),
-    depends=sorted(glob.glob("csrc/*.h")),
+    sources=sorted(glob.glob("csrc/**/*.cpp", recursive=True)),
+    depends=sorted(glob.glob("csrc/**/*.h", recursive=True)),
     include_dirs=["csrc"],
     extra_compile_args=["-idirafter", TORCH_INCLUDE, f"-D_GLIBCXX_USE_CXX11_ABI={CXX11_ABI}"],
     # The torch this is built against: the extension refuses another at import.

@@ -55,7 +55,9 @@ def child(n: int, rounds: int, block: int) -> dict:
     import torch_xla.core.xla_model as xm
 
     import torch_xla_donate as tdx
-    from torch_xla_donate import _C, _xla, step_hook
+    from torch_xla_donate import _C
+    from torch_xla_donate._base import xla as _xla
+    from torch_xla_donate._hooks import install as step_hook
 
     dev = torch_xla.device()
     ts = [torch.full((16,), float(i), device=dev) for i in range(n)]
@@ -77,7 +79,7 @@ def child(n: int, rounds: int, block: int) -> dict:
 
     # The real barrier the plugin's trampoline calls (and torch_xla's own,
     # when the plugin is out): timed, and put back in place.
-    _xla._REAL["_xla_step_marker"] = timed("inner", _xla.real("_xla_step_marker"))
+    _xla.REAL["_xla_step_marker"] = timed("inner", _xla.real("_xla_step_marker"))
     step_hook.uninstall()
     torch_xla._XLAC._xla_step_marker = _xla.real("_xla_step_marker")
     step_hook.install()

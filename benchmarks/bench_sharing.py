@@ -37,7 +37,8 @@ def child(n: int, rounds: int, block: int) -> dict:
     import torch_xla.core.xla_model as xm
 
     import torch_xla_donate as tdx
-    from torch_xla_donate import _xla, sharing
+    from torch_xla_donate._base import xla as _xla
+    from torch_xla_donate._outcomes import sharing
 
     dev = torch_xla.device()
     ts = [torch.full((16,), float(i), device=dev) for i in range(n)]
@@ -53,7 +54,7 @@ def child(n: int, rounds: int, block: int) -> dict:
         finally:
             inner[0] += time.thread_time() - start
 
-    _xla._REAL["_xla_step_marker"] = timed_barrier
+    _xla.REAL["_xla_step_marker"] = timed_barrier
     screen = sharing.screen
 
     def step(mode):

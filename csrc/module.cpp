@@ -1,12 +1,16 @@
 // torch_xla_donate._C: the native ledger and hot path, bound to Python.
+// Folders mirror the Python package's roles:
 //
-//   py_types.{h,cpp}       _C.Record, _C.Entry, _C.Verdict
-//   call_site.{h,cpp}      the file:line of a mark, cached per call site
-//   tensor_access.{h,cpp}  how the native code reads and changes tensors
-//   hot_path.{h,cpp}       marking, and the batch helpers of a commit
-//   trampoline.{h,cpp}     _C.Trampoline, which stands in for _XLAC functions
-//   ledger.{h,cpp}         marks, records, per-step statistics
-//   tensor_facts, record_tag   built against torch's c10 headers
+//   base/      ledger (marks, records, per-step stats), ptr_index, py_types
+//              (_C.Record, Entry, Verdict, Via), call_site, tensor_facts (c10
+//              reads), tensor_access (torch_xla through bound callables)
+//   marking/   marking's fast path (try_mark, try_mark_all, is_donatable)
+//   outcomes/  poison (the native twin of poison.py), record_tag (the record
+//              a poisoned TensorImpl carries), ownership (live objects)
+//   hooks/     commit (a step's batch helpers), trampoline (_C.Trampoline)
+//
+// This file binds the ledger and the record tags; each folder registers
+// the rest itself.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -15,13 +19,16 @@
 #include <utility>
 #include <vector>
 
-#include "hot_path.h"
-#include "ledger.h"
-#include "py_types.h"
-#include "record_tag.h"
-#include "tensor_access.h"
-#include "tensor_facts.h"
-#include "trampoline.h"
+#include "hooks/commit.h"
+#include "marking/marking.h"
+#include "outcomes/ownership.h"
+#include "outcomes/poison.h"
+#include "base/ledger.h"
+#include "base/py_types.h"
+#include "outcomes/record_tag.h"
+#include "base/tensor_access.h"
+#include "base/tensor_facts.h"
+#include "hooks/trampoline.h"
 
 namespace py = pybind11;
 using namespace torch_xla_donate;
@@ -77,60 +84,13 @@ void Bind(py::kwargs hooks) {
   }
 }
 
-// live_objects(types) -> one list per type: the objects the garbage
-// collector tracks that are instances of it, except the Python objects of
-// tensors (the first type) that only their TensorImpl keeps alive.
-//
-// Why: the collector also hands out the Python object of a tensor whose
-// last Python reference is gone while C++ (an autograd graph) still holds
-// the tensor; torch then lets the TensorImpl own that object.  No Python
-// code holds such an object, so as a holder it is C++'s (ownership.py
-// counts it as such), and kept in a list it would outlive its TensorImpl
-// when autograd's worker thread lets the graph go (torch: "Deallocating
-// Tensor that still has live PyObject references").  The walk and the
-// filter run in one native call, without giving up the GIL, so no other
-// thread can let go of a tensor in between.
-py::tuple LiveObjects(py::tuple types) {
-  static PyObject* get_objects = [] {
-    PyObject* gc = PyImport_ImportModule("gc");
-    Check(gc != nullptr);
-    PyObject* fn = PyObject_GetAttrString(gc, "get_objects");
-    Py_DECREF(gc);
-    Check(fn != nullptr);
-    return fn;
-  }();
-  const Py_ssize_t n = PyTuple_GET_SIZE(types.ptr());
-  for (Py_ssize_t k = 0; k < n; ++k)
-    if (!PyType_Check(PyTuple_GET_ITEM(types.ptr(), k))) throw py::type_error("live_objects() takes types");
-  py::object objects = py::reinterpret_steal<py::object>(PyObject_CallNoArgs(get_objects));
-  Check(objects.ptr() != nullptr);
-  std::vector<py::list> found(n);
-  for (Py_ssize_t i = 0, m = PyList_GET_SIZE(objects.ptr()); i < m; ++i) {
-    PyObject* o = PyList_GET_ITEM(objects.ptr(), i);
-    for (Py_ssize_t k = 0; k < n; ++k) {
-      auto* type = reinterpret_cast<PyTypeObject*>(PyTuple_GET_ITEM(types.ptr(), k));
-      if (!PyObject_TypeCheck(o, type)) continue;
-      if (k == 0) {
-        uintptr_t impl = 0;
-        if (!ImplAddress(o, &impl)) PyErr_Clear();
-        if (impl == 0 || PyObjectOwnedByTensor(impl)) break;  // undefined, or C++'s
-      }
-      Check(PyList_Append(found[k].ptr(), o) == 0);
-      break;
-    }
-  }
-  py::tuple out(n);
-  for (Py_ssize_t k = 0; k < n; ++k) out[k] = found[k];
-  return out;
-}
-
 py::dict StatsToDict(const StepStats& s) {
   py::dict d;
   d["step"] = s.step;
   d["donated"] = s.donated;
   d["donated_bytes"] = s.donated_bytes;
-  d["consumed"] = s.consumed;
-  d["consumed_bytes"] = s.consumed_bytes;
+  d["reused"] = s.reused;
+  d["reused_bytes"] = s.reused_bytes;
   d["unused"] = s.unused;
   d["unused_bytes"] = s.unused_bytes;
   d["unused_shapes"] = s.unused_shapes;
@@ -142,7 +102,7 @@ py::dict StatsToDict(const StepStats& s) {
   d["failed_bytes"] = s.failed_bytes;
   d["lost"] = s.lost;
   d["lost_bytes"] = s.lost_bytes;
-  d["pending"] = s.pending;
+  d["in_flight"] = s.in_flight;
   d["steps"] = s.steps;
   return d;
 }
@@ -152,7 +112,9 @@ py::dict StatsToDict(const StepStats& s) {
 PYBIND11_MODULE(_C, m) {
   m.doc() = "Native donation ledger and hot path of torch_xla_donate.";
   RegisterPyTypes(m.ptr());
-  RegisterHotPath(m.ptr());
+  RegisterMarking(m.ptr());
+  RegisterCommit(m.ptr());
+  RegisterOwnership(m.ptr());
   RegisterTrampoline(m.ptr());
 
   m.def(
@@ -298,9 +260,6 @@ PYBIND11_MODULE(_C, m) {
         return impl ? StorageAddress(impl) : 0;
       },
       py::arg("tensor"), "The address of the tensor's StorageImpl (0: none, or not a tensor).");
-  m.def("live_objects", &LiveObjects, py::arg("types"),
-        "One list per type of the objects the garbage collector tracks, without the "
-        "tensors (the first type) whose Python object only C++ keeps alive.");
   m.def(
       "use_counts",
       [](py::handle t) -> py::object {

@@ -8,7 +8,8 @@ import pytest
 import torch_xla
 
 import torch_xla_donate as tdx
-from torch_xla_donate import _C, step_hook
+from torch_xla_donate import _C
+from torch_xla_donate._hooks import install as step_hook
 
 
 
@@ -50,7 +51,7 @@ def no_zombie_tensors(capfd):
 def clean_ledger():
     """Each test leaves no marks and no open verdicts behind."""
     yield
-    step_hook.settle_in_flight()
+    tdx.settle()
     for t in _C.marked_tensors():
         tdx.undonate(t)
 

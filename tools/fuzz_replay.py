@@ -74,7 +74,7 @@ def main():
         finally:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                tdx.step_hook.settle_in_flight()
+                tdx.settle()
                 for t in tdx._C.marked_tensors():
                     tdx.undonate(t)
             del program

@@ -5,45 +5,51 @@
     params = params - lr * grads
     xm.mark_step()                  # the new params reuse the old buffer
 
-Importing the package hooks torch_xla's step barrier, installs
+This module is the public face: it only re-exports (``__all__``).  The
+implementation lives in private subpackages by role, each importing only
+those before it (test/base/test_layering.py checks):
+
+* ``_base``: the native library, torch_xla's ``_XLAC``, config, errors;
+* ``_outcomes``: what becomes of donations (poison, ownership, verdicts);
+* ``_marking``: ``donate_buffer``, ``donate``, ``donating``;
+* ``_hooks``: where torch_xla's executions commit the marks.
+
+Importing the package switches XLA:CPU's XNNPACK off where it still can
+(``_base/xla_cpu.py``), hooks torch_xla's executions, installs
 ``torch_xla._XLAC.donate_buffer`` and guards ``gradient_accumulation``
-against donated model parameters (see ``integrations``).
+against donated model parameters.
 """
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 import torch
 import torch_xla
 
-from . import _compat
+from ._base import compat as _compat
 
 _compat.check_versions(torch.__version__, torch_xla.__version__)
 
-from . import xla_cpu  # noqa: E402
+from ._base import xla_cpu as _xla_cpu  # noqa: E402
 
 # Before torch_xla's runtime starts: XLA reads XLA_FLAGS once, at its start.
-xla_cpu.protect_at_import(torch_xla._XLAC)
+_xla_cpu.protect_at_import(torch_xla._XLAC)
 
-from . import _C  # noqa: E402
-
-_compat.check_build(_C.BUILT_FOR_TORCH, torch.__version__)
-
-from . import integrations, step_hook  # noqa: E402
-from .api import donate_buffer, is_deleted, is_donated, undonate
-from .config import configure
-from .donating import donating
-from .pytree import donate
-from .errors import (
+from . import errors, report  # noqa: E402
+from ._base.config import configure  # noqa: E402
+from ._hooks import install as _install  # noqa: E402
+from ._marking.donating import donating  # noqa: E402
+from ._marking.tensor import donate_buffer, is_deleted, is_donated  # noqa: E402
+from ._marking.trees import donate, undonate  # noqa: E402
+from ._outcomes.verdicts import settle  # noqa: E402
+from .errors import (  # noqa: E402
     DonatedBufferError,
     DonationDisabledWarning,
     DroppedDonationWarning,
+    ParameterDonationError,
     StaleReadWarning,
     UnusedDonationError,
     UnusedDonationWarning,
 )
-from .integrations import ParameterDonationError
-from . import report
-from .report import last_step_report, metrics_report, summary
-from .verdicts import settle_in_flight as settle
+from .report import last_step_report, metrics_report, summary  # noqa: E402
 
 __all__ = [
     "__version__",
@@ -54,6 +60,12 @@ __all__ = [
     "donate",
     "donating",
     "configure",
+    "settle",
+    "last_step_report",
+    "summary",
+    "metrics_report",
+    "errors",
+    "report",
     "DonatedBufferError",
     "UnusedDonationWarning",
     "UnusedDonationError",
@@ -61,12 +73,7 @@ __all__ = [
     "DonationDisabledWarning",
     "StaleReadWarning",
     "ParameterDonationError",
-    "settle",
-    "last_step_report",
-    "summary",
-    "metrics_report",
 ]
 
-step_hook.install()
-integrations.install()
+_install.install()
 torch_xla._XLAC.donate_buffer = donate_buffer

@@ -1,58 +1,25 @@
-"""The exceptions and warnings a user of torch_xla_donate can meet."""
+"""The exceptions and warnings a user of torch_xla_donate can meet.
+
+>>> import torch_xla_donate as tdx
+>>> issubclass(tdx.errors.DonatedBufferError, RuntimeError)
+True
+"""
+from ._base.errors import (
+    DonatedBufferError,
+    DonationDisabledWarning,
+    DroppedDonationWarning,
+    ParameterDonationError,
+    StaleReadWarning,
+    UnusedDonationError,
+    UnusedDonationWarning,
+)
 
 __all__ = [
     "DonatedBufferError",
     "UnusedDonationWarning",
     "UnusedDonationError",
-    "DonationDisabledWarning",
     "DroppedDonationWarning",
+    "DonationDisabledWarning",
     "StaleReadWarning",
+    "ParameterDonationError",
 ]
-
-
-class DonatedBufferError(RuntimeError):
-    """A tensor whose buffer was donated to a step's output was used.
-
-    Raised at the line that touched the tensor, and also by ``donate_buffer``
-    when asked to donate a tensor that is already gone.
-    """
-
-
-class UnusedDonationWarning(UserWarning):
-    """A step could not use a donated buffer.
-
-    The tensor was not an input of the step's graph, or no output of the same
-    byte size was left to take its buffer.  The tensor keeps its value and is
-    no longer marked.
-    """
-
-
-class UnusedDonationError(RuntimeError):
-    """Strict mode's form of ``UnusedDonationWarning``: raised where the
-    warning would be given.  The tensors named keep their values."""
-
-
-class DroppedDonationWarning(UserWarning):
-    """A mark was dropped before the step because donating it was unsafe.
-
-    This happens when a view or alias of the tensor (``t[0]``, ``t.detach()``)
-    was created after ``donate_buffer(t)``: the step would destroy the view's
-    data too.  The tensor keeps its value.
-    """
-
-
-class DonationDisabledWarning(UserWarning):
-    """Donation is switched off, so ``donate_buffer`` does nothing.
-
-    Either torch_xla's ``XLA_ENABLE_PARAM_ALIASING=0`` turned all buffer
-    donation off, or the plugin's own off switch is set
-    (``TORCH_XLA_DONATE_DISABLE=1`` or ``configure(enabled=False)``).
-    """
-
-
-class StaleReadWarning(UserWarning):
-    """This process runs XLA:CPU with XNNPACK on, which can compute a matmul
-    with a reused buffer's old contents after a donation: set
-    ``XLA_FLAGS=--xla_cpu_use_xnnpack=false`` before torch_xla starts (the
-    package does it at import when it still can; see ``xla_cpu``).  Given
-    once, at the first donation."""

@@ -1,0 +1,250 @@
+// See py_types.h.
+#include "base/py_types.h"
+
+#include <pybind11/pybind11.h>
+
+#include <cctype>
+#include <new>
+#include <string>
+
+namespace py = pybind11;
+
+namespace torch_xla_donate {
+namespace {
+
+// The members of the Python IntEnum `_C.Verdict`, by value.  An IntEnum
+// compares as an int, so `record.verdict != Verdict.IN_FLIGHT` is cheap.
+PyObject* g_verdicts[kVerdictCount] = {};
+
+// -- Record -------------------------------------------------------------------
+
+struct PyRecord {
+  PyObject_HEAD
+  RecordPtr record;
+};
+
+PyTypeObject* g_record_type = nullptr;
+
+const Record& R(PyObject* self) { return *reinterpret_cast<PyRecord*>(self)->record; }
+
+void RecordDealloc(PyObject* self) {
+  reinterpret_cast<PyRecord*>(self)->record.~RecordPtr();
+  PyTypeObject* type = Py_TYPE(self);
+  type->tp_free(self);
+  Py_DECREF(type);  // instances of a heap type own a reference to it
+}
+
+PyObject* Str(const std::string& s) {
+  return PyUnicode_FromStringAndSize(s.data(), static_cast<Py_ssize_t>(s.size()));
+}
+
+PyObject* RecordRepr(PyObject* self) {
+  const Record& r = R(self);
+  return Str("<donation #" + std::to_string(r.id) + " " + r.ShapeString() + " at " + r.Where() +
+             " step=" + std::to_string(r.step) + " " + VerdictName(r.verdict) + ">");
+}
+
+PyObject* GetId(PyObject* self, void*) { return PyLong_FromLongLong(R(self).id); }
+PyObject* GetStep(PyObject* self, void*) { return PyLong_FromLongLong(R(self).step); }
+PyObject* GetFile(PyObject* self, void*) { return Str(*R(self).file); }
+PyObject* GetLine(PyObject* self, void*) { return PyLong_FromLong(R(self).line); }
+PyObject* GetDtype(PyObject* self, void*) { return Str(R(self).dtype); }
+PyObject* GetNbytes(PyObject* self, void*) { return PyLong_FromLongLong(R(self).nbytes); }
+PyObject* GetVerdict(PyObject* self, void*) { return VerdictObject(R(self).verdict); }
+PyObject* GetShapeString(PyObject* self, void*) { return Str(R(self).ShapeString()); }
+PyObject* GetWhere(PyObject* self, void*) { return Str(R(self).Where()); }
+PyObject* GetVia(PyObject* self, void*) { return PyUnicode_FromString(ViaName(R(self).via)); }
+
+PyObject* GetShape(PyObject* self, void*) {
+  const auto& shape = R(self).shape;
+  PyObject* t = PyTuple_New(static_cast<Py_ssize_t>(shape.size()));
+  if (!t) return nullptr;
+  for (size_t i = 0; i < shape.size(); ++i) {
+    PyObject* d = PyLong_FromLongLong(shape[i]);
+    if (!d) {
+      Py_DECREF(t);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(t, static_cast<Py_ssize_t>(i), d);
+  }
+  return t;
+}
+
+PyGetSetDef kRecordGetters[] = {
+    {"id", GetId, nullptr, "Unique number of this donation.", nullptr},
+    {"step", GetStep, nullptr, "The execution that committed it (-1: not yet).", nullptr},
+    {"file", GetFile, nullptr, "File of the call that marked it.", nullptr},
+    {"line", GetLine, nullptr, "Line of the call that marked it.", nullptr},
+    {"shape", GetShape, nullptr, "Shape of the donated tensor.", nullptr},
+    {"dtype", GetDtype, nullptr, "XLA-style dtype name (f32, bf16, s64, ...).", nullptr},
+    {"nbytes", GetNbytes, nullptr, "Size of the donated buffer in bytes.", nullptr},
+    {"verdict", GetVerdict, nullptr, "What became of the donation (Verdict).", nullptr},
+    {"shape_string", GetShapeString, nullptr, "e.g. 'f32[4,4]'.", nullptr},
+    {"where", GetWhere, nullptr, "'file:line' of the call that marked it.", nullptr},
+    {"via", GetVia, nullptr, "The call that marked it: 'donate_buffer()', 'donate()', ...", nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr},
+};
+
+PyType_Slot kRecordSlots[] = {
+    {Py_tp_dealloc, reinterpret_cast<void*>(RecordDealloc)},
+    {Py_tp_repr, reinterpret_cast<void*>(RecordRepr)},
+    {Py_tp_getset, kRecordGetters},
+    {Py_tp_doc, const_cast<char*>("One donation: where it was made, of what, and its verdict.")},
+    {0, nullptr},
+};
+
+PyType_Spec kRecordSpec = {
+    "torch_xla_donate._C.Record",
+    sizeof(PyRecord),
+    0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    kRecordSlots,
+};
+
+// -- Entry --------------------------------------------------------------------
+//
+// A tuple would do, but a tuple that holds a tensor is tracked by Python's
+// garbage collector, and a step with 10,000 donations keeps 10,000 of them
+// alive until the next barrier: they reach the oldest generation and make
+// full collections (which walk every object of the program) run several
+// times more often.  An Entry is not tracked.  It cannot close a reference
+// cycle: nothing refers back to it (a poisoned tensor refers to its record,
+// never to its entry).  It unpacks and indexes like the pair it stands for.
+
+struct PyEntry {
+  PyObject_HEAD
+  PyObject* tensor;
+  PyObject* record;
+};
+
+PyTypeObject* g_entry_type = nullptr;
+
+void EntryDealloc(PyObject* self) {
+  auto* e = reinterpret_cast<PyEntry*>(self);
+  Py_CLEAR(e->tensor);
+  Py_CLEAR(e->record);
+  PyTypeObject* type = Py_TYPE(self);
+  type->tp_free(self);
+  Py_DECREF(type);
+}
+
+Py_ssize_t EntryLength(PyObject*) { return 2; }
+
+PyObject* EntryItem(PyObject* self, Py_ssize_t i) {
+  auto* e = reinterpret_cast<PyEntry*>(self);
+  if (i < 0 || i > 1) {
+    PyErr_SetString(PyExc_IndexError, "an entry is (tensor, record)");
+    return nullptr;
+  }
+  PyObject* item = i == 0 ? e->tensor : e->record;
+  Py_INCREF(item);
+  return item;
+}
+
+PyObject* EntryRepr(PyObject* self) {
+  return PyUnicode_FromFormat("<entry %R>", reinterpret_cast<PyEntry*>(self)->record);
+}
+
+PyType_Slot kEntrySlots[] = {
+    {Py_tp_dealloc, reinterpret_cast<void*>(EntryDealloc)},
+    {Py_tp_repr, reinterpret_cast<void*>(EntryRepr)},
+    {Py_sq_length, reinterpret_cast<void*>(EntryLength)},
+    {Py_sq_item, reinterpret_cast<void*>(EntryItem)},
+    {Py_tp_doc, const_cast<char*>("(tensor, record) of one donation, untracked by the GC.")},
+    {0, nullptr},
+};
+
+PyType_Spec kEntrySpec = {
+    "torch_xla_donate._C.Entry",
+    sizeof(PyEntry),
+    0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    kEntrySlots,
+};
+
+PyTypeObject* NewType(PyType_Spec* spec) {
+  auto* type = reinterpret_cast<PyTypeObject*>(PyType_FromSpec(spec));
+  if (!type) throw py::error_already_set();
+  return type;
+}
+
+}  // namespace
+
+PyObject* VerdictObject(Verdict v) {
+  PyObject* o = g_verdicts[static_cast<int>(v)];
+  Py_INCREF(o);
+  return o;
+}
+
+PyObject* WrapRecord(RecordPtr record) {
+  PyObject* o = g_record_type->tp_alloc(g_record_type, 0);
+  if (!o) return nullptr;
+  new (&reinterpret_cast<PyRecord*>(o)->record) RecordPtr(std::move(record));
+  return o;
+}
+
+bool IsRecord(PyObject* o) { return Py_TYPE(o) == g_record_type; }
+
+const RecordPtr& Unwrap(PyObject* o) { return reinterpret_cast<PyRecord*>(o)->record; }
+
+const RecordPtr& RecordArg(PyObject* o) {
+  if (!IsRecord(o)) throw py::type_error("expected a torch_xla_donate._C.Record");
+  return Unwrap(o);
+}
+
+PyObject* NewEntry(PyObject* tensor, PyObject* record) {
+  PyObject* o = g_entry_type->tp_alloc(g_entry_type, 0);
+  if (!o) return nullptr;
+  auto* e = reinterpret_cast<PyEntry*>(o);
+  Py_INCREF(tensor);
+  Py_INCREF(record);
+  e->tensor = tensor;
+  e->record = record;
+  return o;
+}
+
+bool EntryParts(PyObject* o, PyObject** tensor, PyObject** record) {
+  if (Py_TYPE(o) == g_entry_type) {
+    *tensor = reinterpret_cast<PyEntry*>(o)->tensor;
+    *record = reinterpret_cast<PyEntry*>(o)->record;
+    return true;
+  }
+  if (PyTuple_Check(o) && PyTuple_GET_SIZE(o) == 2) {
+    *tensor = PyTuple_GET_ITEM(o, 0);
+    *record = PyTuple_GET_ITEM(o, 1);
+    return true;
+  }
+  return false;
+}
+
+void RegisterPyTypes(PyObject* module) {
+  py::module_ m = py::reinterpret_borrow<py::module_>(module);
+  py::list members;
+  for (int v = 0; v < kVerdictCount; ++v) {
+    std::string name = VerdictName(static_cast<Verdict>(v));
+    for (auto& c : name) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+    members.append(py::make_tuple(name, v));
+  }
+  py::object verdict = py::module_::import("enum").attr("IntEnum")(
+      "Verdict", members, py::arg("module") = "torch_xla_donate._C");
+  verdict.attr("__doc__") = "What became of one donation; only CONSUMED poisons the tensor.";
+  for (int v = 0; v < kVerdictCount; ++v) g_verdicts[v] = verdict(v).release().ptr();
+  m.attr("Verdict") = verdict;
+
+  // Which call marked a tensor, as the ledger's Via (messages name it).
+  static const char* const kViaMembers[kViaCount] = {"DONATE_BUFFER", "DONATE", "DONATING",
+                                                     "GRAPH_OP"};
+  py::list vias;
+  for (int v = 0; v < kViaCount; ++v) vias.append(py::make_tuple(kViaMembers[v], v));
+  py::object via = py::module_::import("enum").attr("IntEnum")(
+      "Via", vias, py::arg("module") = "torch_xla_donate._C");
+  via.attr("__doc__") = "Which call marked a tensor (donate_buffer, donate, donating, a graph op).";
+  m.attr("Via") = via;
+
+  g_record_type = NewType(&kRecordSpec);
+  m.attr("Record") = py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(g_record_type));
+  g_entry_type = NewType(&kEntrySpec);
+  m.attr("Entry") = py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(g_entry_type));
+}
+
+}  // namespace torch_xla_donate

@@ -1,0 +1,38 @@
+// The Python faces of the ledger: `_C.Record` (one donation), `_C.Entry`
+// (a (tensor, record) pair of a step's donors or open verdicts) and the
+// members of the IntEnum `_C.Verdict`.
+//
+// Both are small native types rather than pybind11 classes: a step creates
+// one Record and one Entry per donated tensor, and a pybind11 instance costs
+// several times more to create and to read (`record.verdict`).
+#pragma once
+
+#include <Python.h>
+
+#include "base/ledger.h"
+
+namespace torch_xla_donate {
+
+// Creates the types and registers Record, Entry and Verdict on `module`.
+// Throws pybind11::error_already_set on failure.
+void RegisterPyTypes(PyObject* module);
+
+// A new Record wrapping `record`, or nullptr with a Python error.
+PyObject* WrapRecord(RecordPtr record);
+bool IsRecord(PyObject* o);
+// The record of a `_C.Record` (no type check: see IsRecord).
+const RecordPtr& Unwrap(PyObject* o);
+// The record of `o`, or a TypeError (pybind11::type_error) if it is none.
+const RecordPtr& RecordArg(PyObject* o);
+
+// A new (tensor, record) Entry, or nullptr with a Python error.
+PyObject* NewEntry(PyObject* tensor, PyObject* record);
+// The borrowed (tensor, record) of an Entry or of a 2-tuple; false if `o`
+// is neither.
+bool EntryParts(PyObject* o, PyObject** tensor, PyObject** record);
+
+// A new reference to the `_C.Verdict` member for `v`.
+PyObject* VerdictObject(Verdict v);
+constexpr int kVerdictCount = static_cast<int>(Verdict::kCancelled) + 1;
+
+}  // namespace torch_xla_donate

@@ -1,0 +1,92 @@
+// How the native hot path reads and changes tensors.
+//
+// Questions about the torch tensor itself (device, storage sharing, sizes)
+// are answered by torch's c10 headers (tensor_facts.h).  Questions for
+// torch_xla go through Python callables that torch_xla_donate._xla hands
+// over at import (`_C.bind`): torch_xla's wheel ships no C++ headers, and
+// keeping every torch_xla call named in _xla.py keeps an upgrade's breakage
+// in one place.  What C++ saves is the interpreter work around those calls:
+// with thousands of donated tensors per step, a Python loop costs more than
+// the torch_xla calls it makes.
+#pragma once
+
+#include <Python.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "base/ledger.h"
+#include "base/tensor_facts.h"
+
+namespace torch_xla_donate {
+
+// The callables and types bound at import; see Bind() in module.cpp.
+struct Hooks {
+  PyObject* tensor_type = nullptr;           // torch.Tensor
+  PyObject* set_donor = nullptr;             // (tensor, bool) -> bool
+  PyObject* buffer_deleted = nullptr;        // tensor -> bool
+  PyObject* need_materialization = nullptr;  // [tensor] -> [bool]
+  PyObject* storage_use_count = nullptr;     // storage._cdata -> int
+  PyObject* dtype_info = nullptr;            // dtype -> (xla name, itemsize)
+  PyObject* tensor_id = nullptr;             // tensor -> torch_xla's tensor id
+  PyObject* fast_types = nullptr;            // tuple: exact types of the fast path
+  PyObject* donated_type = nullptr;          // poison._DonatedTensor (the mixin)
+  PyObject* poison_class_for = nullptr;      // type -> its poisoned twin
+  PyObject* dispatch_class_for = nullptr;    // type -> its twin refusing operators
+  PyObject* inner_of = nullptr;              // tensor -> the tensor torch_xla sees
+
+  bool torch_bound() const {
+    return tensor_type && set_donor && buffer_deleted && need_materialization &&
+           storage_use_count && dtype_info && tensor_id;
+  }
+  bool poison_bound() const {
+    return donated_type && poison_class_for && dispatch_class_for && inner_of;
+  }
+};
+
+extern Hooks g_hooks;
+
+// Raises pybind11::error_already_set unless `ok`.
+void Check(bool ok);
+// Throws unless every hook is bound (torch_xla_donate was imported).
+void RequireBound();
+
+bool IsTensor(PyObject* t);
+bool IsDonatedType(PyObject* t);
+// Exactly one of the fast path's types (a plain Tensor or Parameter).
+bool IsPlainTensor(PyObject* t);
+
+// The address of a torch tensor's c10::TensorImpl (`t._cdata`); 0 when `t`
+// is no torch tensor.  False with a Python error set.
+bool ImplAddress(PyObject* t, uintptr_t* impl);
+// The native facts of `t`.  1 read, 0 not a tensor or torch raised (the
+// caller takes the Python route), -1 error.
+int Facts(PyObject* t, TensorFacts* facts, bool with_sizes = true);
+// Tensors sharing t's storage, from `facts` when read (`read` is Facts'
+// result) and they have it, else through Python.  -1 on error.
+long StorageUseCount(PyObject* t, int read, const TensorFacts& facts);
+// C++ owners of t's TensorImpl beyond t and a leaf's AccumulateGrad: an
+// autograd graph that saved it for backward.  1 held, 0 not, -1 error.
+int HeldByAutograd(PyObject* t, const TensorFacts& facts);
+
+// torch_xla, through the bound callables.  1 / 0, -1 on error.
+int IsView(PyObject* t);
+int HasPendingIr(PyObject* t);
+int BufferDeleted(PyObject* t);
+int SetDonor(PyObject* t, bool donate);
+// torch_xla's id of the XLA tensor behind `t` (ids only grow); -1 on error.
+int64_t TensorId(PyObject* t);
+
+// Shape, XLA dtype name and byte size of `t` (whose `facts` were read with
+// sizes); the shape is moved out of `facts.sizes`.  1 ok, 0 unusual
+// (symbolic sizes: the Python path decides), -1 error.
+int Describe(PyObject* t, TensorFacts& facts, std::vector<int64_t>* shape,
+             std::string* dtype, int64_t* nbytes);
+
+// True when the one reference its entry holds is the only way to reach `t`
+// (no other Python reference, no weak reference, no C++ owner of its
+// TensorImpl).  The caller must hold no reference of its own.  1/0, -1 error.
+int OnlyHeldByItsEntry(PyObject* t);
+
+}  // namespace torch_xla_donate

@@ -1,0 +1,64 @@
+// See tensor_facts.h.  With record_tag.cpp, the only file that includes
+// torch (c10) headers; both are compiled with torch's include path and ABI
+// flag and linked to libc10.
+#include "base/tensor_facts.h"
+
+#include <c10/core/TensorImpl.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <exception>
+
+namespace torch_xla_donate {
+
+bool ReadTensorFacts(uintptr_t address, TensorFacts* out, bool with_sizes) {
+  auto* impl = reinterpret_cast<c10::TensorImpl*>(address);
+  try {
+    // Not impl->is_xla(): for XLA's FunctionalTensorWrapper that asks the
+    // wrapped tensor for its device, a virtual call into torch_xla and two
+    // more objects to touch.  The dispatch keys, a field of the wrapper,
+    // say the same.
+    out->is_xla = impl->key_set().has_backend(c10::BackendComponent::XLABit);
+    out->is_functional = impl->key_set().has(c10::DispatchKey::Functionalize);
+    const c10::Storage& storage = impl->unsafe_storage();  // no throw for storage-less
+    out->storage_use_count = storage ? static_cast<long>(storage.use_count()) : 0;
+    out->impl_use_count = static_cast<long>(c10::raw::intrusive_ptr::use_count(impl));
+    out->has_autograd_meta = impl->autograd_meta() != nullptr;
+    // Not const: torch 2.7's TypeMeta::toScalarType() is a non-const method.
+    caffe2::TypeMeta dtype = impl->dtype();
+    out->itemsize = static_cast<int64_t>(dtype.itemsize());
+    out->scalar_type = dtype.isScalarType() ? static_cast<int>(dtype.toScalarType()) : -1;
+    out->symbolic_sizes = impl->has_symbolic_sizes_strides();
+    out->version = impl->is_inference() ? -1 : static_cast<int64_t>(impl->version_counter().current_version());
+    out->sizes.clear();
+    if (with_sizes && !out->symbolic_sizes) {
+      c10::IntArrayRef sizes = impl->sizes();  // XLA: its own override
+      out->sizes.assign(sizes.begin(), sizes.end());
+    }
+    return true;
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
+uintptr_t StorageAddress(uintptr_t address) {
+  auto* impl = reinterpret_cast<c10::TensorImpl*>(address);
+  const c10::Storage& storage = impl->unsafe_storage();
+  return storage ? reinterpret_cast<uintptr_t>(storage.unsafeGetStorageImpl()) : 0;
+}
+
+bool PyObjectOwnedByTensor(uintptr_t address) {
+  auto* impl = reinterpret_cast<c10::TensorImpl*>(address);
+  return impl->pyobj_slot()->owns_pyobj();
+}
+
+bool SetPythonDispatch(uintptr_t address, bool on) {
+  auto* impl = reinterpret_cast<c10::TensorImpl*>(address);
+  try {
+    impl->set_python_dispatch(on);
+    return true;
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
+}  // namespace torch_xla_donate

@@ -1,0 +1,174 @@
+// See commit.h.
+#include "hooks/commit.h"
+
+#include <pybind11/pybind11.h>
+
+#include "base/ledger.h"
+#include "base/py_types.h"
+#include "base/tensor_access.h"
+#include "outcomes/poison.h"
+
+namespace py = pybind11;
+
+namespace torch_xla_donate {
+namespace {
+
+PyObject* TensorOf(PyObject* entry, PyObject** record) {
+  PyObject* t;
+  if (!EntryParts(entry, &t, record)) throw py::type_error("expected (tensor, record) entries");
+  RecordArg(*record);  // type check
+  return t;
+}
+
+void AppendEntry(py::list& out, PyObject* t, PyObject* rec) {
+  PyObject* entry = NewEntry(t, rec);
+  Check(entry != nullptr);
+  int appended = PyList_Append(out.ptr(), entry);
+  Py_DECREF(entry);
+  Check(appended == 0);
+}
+
+// Splits a committed step (`tensors`, `records`, with `pending`: which ones
+// hold pending IR) into donors and the ones whose holders must be looked at:
+//  * pending, or its version counter moved: updated in place after marking,
+//    an output: UPDATED_IN_PLACE;
+//  * views or aliases alive, or held by autograd: returned as `held`
+//    entries, unsettled, for ownership.py to decide;
+//  * the rest are donors.
+// Returns (donors, held), both lists of Entry.
+py::tuple SplitCommitted(py::list tensors, py::list records, py::object pending) {
+  RequireBound();
+  py::list donors, held;
+  const size_t n = tensors.size();
+  if (records.size() != n) throw py::value_error("tensors and records differ in length");
+  if (n == 0) return py::make_tuple(donors, held);
+  py::list flags = py::list(pending);
+  if (flags.size() != n) throw py::value_error("pending differs in length");
+  for (size_t i = 0; i < n; ++i) {
+    PyObject* t = PyList_GET_ITEM(tensors.ptr(), i);
+    PyObject* rec = PyList_GET_ITEM(records.ptr(), i);
+    const RecordPtr& record = RecordArg(rec);
+    int is_pending = PyObject_IsTrue(PyList_GET_ITEM(flags.ptr(), i));
+    Check(is_pending >= 0);
+    if (is_pending) {
+      GlobalLedger().Settle(record, Verdict::kUpdatedInPlace);
+      continue;
+    }
+    TensorFacts facts;
+    const int read = Facts(t, &facts, /*with_sizes=*/false);
+    Check(read >= 0);
+    if (read == 1 && record->version >= 0 && facts.version != record->version) {
+      // Updated in place since marking, and already materialized by a flush
+      // that committed nothing (a step block's): its new value is no donor.
+      GlobalLedger().Settle(record, Verdict::kUpdatedInPlace);
+      continue;
+    }
+    long uses = StorageUseCount(t, read, facts);
+    Check(!(uses == -1 && PyErr_Occurred()));
+    int by_autograd = uses <= 1 && read == 1 ? HeldByAutograd(t, facts) : 0;
+    Check(by_autograd >= 0);
+    AppendEntry(uses > 1 || by_autograd ? held : donors, t, rec);
+  }
+  return py::make_tuple(donors, held);
+}
+
+// Sets torch_xla's donor flag on the buffer each donor holds now.  Returns
+// (armed, refused): torch_xla refuses a tensor that is no plain device data.
+py::tuple Arm(py::list donors) {
+  RequireBound();
+  py::list armed, refused;
+  for (size_t i = 0, n = donors.size(); i < n; ++i) {
+    PyObject* entry = PyList_GET_ITEM(donors.ptr(), i);
+    PyObject* rec;
+    PyObject* t = TensorOf(entry, &rec);
+    int ok = SetDonor(t, true);
+    if (ok < 0) PyErr_Clear();
+    Check(PyList_Append((ok == 1 ? armed : refused).ptr(), entry) == 0);
+  }
+  return py::make_tuple(armed, refused);
+}
+
+// Clears the donor flag of every entry.  Never raises for one tensor: a
+// buffer a step consumed keeps a flag nothing can read any more.
+void Disarm(py::list entries) {
+  RequireBound();
+  for (size_t i = 0, n = entries.size(); i < n; ++i) {
+    PyObject* rec;
+    PyObject* t = TensorOf(PyList_GET_ITEM(entries.ptr(), i), &rec);
+    if (SetDonor(t, false) < 0) PyErr_Clear();
+  }
+}
+
+// After the real execution has built its graph: clear the donor flag of
+// each donor the user still holds, and poison it.  No verdict yet, even for
+// a buffer that reads as deleted already: while the step is being
+// dispatched, XLA holds a donated buffer in a way that reads as deleted, and
+// gives it back if the step then fails.  Only a deletion seen once the step
+// was dispatched is certain (verdicts.py).
+//
+// A donor that nothing but its entry refers to is left as it is: no code can
+// put it into another graph, so its flag (on a buffer that is deleted, or
+// freed with the entry) can arm nothing, and poisoning it would only make
+// freeing it dearer.  The typical loop rebinds its names, and then this
+// costs no torch_xla call at all.
+//
+// Never stops half-way: a donor whose poisoning fails (a tensor subclass
+// that changed its class since marking, say) is returned with the error's
+// text, after every other donor was handled; the caller reports it once the
+// commit is whole.  Returns a list of (entry, message).
+py::list DisarmAndPoison(py::list donors) {
+  RequireBound();
+  py::list failed;
+  for (size_t i = 0, n = donors.size(); i < n; ++i) {
+    PyObject* entry = PyList_GET_ITEM(donors.ptr(), i);
+    PyObject* rec;
+    PyObject* t = TensorOf(entry, &rec);
+    int unreachable = OnlyHeldByItsEntry(t);
+    Check(unreachable >= 0);
+    if (unreachable) continue;
+    if (SetDonor(t, false) < 0) PyErr_Clear();
+    if (Poison(t, rec) != 0) {
+      py::error_already_set error;  // takes the Python error
+      failed.append(py::make_tuple(py::handle(entry), py::str(error.what())));
+    }
+  }
+  return failed;
+}
+
+// Settles in-flight entries: a deleted buffer is CONSUMED; a live one is
+// unused only if `certain` that its step was dispatched.  Entries settled
+// meanwhile (by a use of the tensor) are skipped.  Returns (still unknown,
+// unused); the caller un-poisons and warns about the unused ones.
+py::tuple SettleEntries(py::list entries, bool certain) {
+  RequireBound();
+  py::list unknown, unused;
+  for (size_t i = 0, n = entries.size(); i < n; ++i) {
+    PyObject* entry = PyList_GET_ITEM(entries.ptr(), i);
+    PyObject* rec;
+    PyObject* t = TensorOf(entry, &rec);
+    const RecordPtr& record = Unwrap(rec);
+    if (record->verdict != Verdict::kInFlight) continue;
+    int deleted = BufferDeleted(t);
+    Check(deleted >= 0);
+    if (deleted) {
+      GlobalLedger().Settle(record, Verdict::kReused);
+    } else {
+      Check(PyList_Append((certain ? unused : unknown).ptr(), entry) == 0);
+    }
+  }
+  return py::make_tuple(unknown, unused);
+}
+
+}  // namespace
+
+void RegisterCommit(PyObject* module) {
+  py::module_ m = py::reinterpret_borrow<py::module_>(module);
+  m.def("split_committed", &SplitCommitted, py::arg("tensors"), py::arg("records"),
+        py::arg("pending"));
+  m.def("arm", &Arm, py::arg("donors"));
+  m.def("disarm", &Disarm, py::arg("entries"));
+  m.def("disarm_and_poison", &DisarmAndPoison, py::arg("donors"));
+  m.def("settle_entries", &SettleEntries, py::arg("entries"), py::arg("certain"));
+}
+
+}  // namespace torch_xla_donate

@@ -1,0 +1,17 @@
+// The batch helpers of a commit (torch_xla_donate/_hooks/commit.py): each
+// replaces one Python loop over a step's donors and does what that loop
+// did, entry by entry.  Marking only records; `arm` sets torch_xla's donor
+// flag inside the execution that commits the marks, on the buffer each
+// tensor holds at that moment, and `disarm_and_poison` clears it as soon as
+// that execution has built its graph.
+#pragma once
+
+#include <Python.h>
+
+namespace torch_xla_donate {
+
+// Registers split_committed, arm, disarm, disarm_and_poison and
+// settle_entries on `module`.
+void RegisterCommit(PyObject* module);
+
+}  // namespace torch_xla_donate

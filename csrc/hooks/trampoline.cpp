@@ -1,0 +1,162 @@
+// See trampoline.h.
+#include "hooks/trampoline.h"
+
+#include <pybind11/pybind11.h>
+
+namespace py = pybind11;
+
+namespace torch_xla_donate {
+namespace {
+
+struct PyTrampoline {
+  PyObject_HEAD
+  PyObject* real;
+  PyObject* before;
+  PyObject* after;
+};
+
+PyObject* g_pass = nullptr;  // the sentinel token "not ours: call real alone"
+
+int TrampolineInit(PyObject* self, PyObject* args, PyObject* kwargs) {
+  static const char* kNames[] = {"real", "before", "after", nullptr};
+  PyObject *real, *before, *after;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO:Trampoline", const_cast<char**>(kNames),
+                                   &real, &before, &after))
+    return -1;
+  if (!PyCallable_Check(real) || !PyCallable_Check(before) || !PyCallable_Check(after)) {
+    PyErr_SetString(PyExc_TypeError, "Trampoline(real, before, after) takes three callables");
+    return -1;
+  }
+  auto* t = reinterpret_cast<PyTrampoline*>(self);
+  Py_INCREF(real);
+  Py_INCREF(before);
+  Py_INCREF(after);
+  Py_XSETREF(t->real, real);
+  Py_XSETREF(t->before, before);
+  Py_XSETREF(t->after, after);
+  return 0;
+}
+
+int TrampolineTraverse(PyObject* self, visitproc visit, void* arg) {
+  auto* t = reinterpret_cast<PyTrampoline*>(self);
+  Py_VISIT(t->real);
+  Py_VISIT(t->before);
+  Py_VISIT(t->after);
+  Py_VISIT(Py_TYPE(self));
+  return 0;
+}
+
+int TrampolineClear(PyObject* self) {
+  auto* t = reinterpret_cast<PyTrampoline*>(self);
+  Py_CLEAR(t->real);
+  Py_CLEAR(t->before);
+  Py_CLEAR(t->after);
+  return 0;
+}
+
+void TrampolineDealloc(PyObject* self) {
+  PyObject_GC_UnTrack(self);
+  TrampolineClear(self);
+  PyTypeObject* type = Py_TYPE(self);
+  type->tp_free(self);
+  Py_DECREF(type);
+}
+
+PyObject* TrampolineCall(PyObject* self, PyObject* args, PyObject* kwargs) {
+  auto* t = reinterpret_cast<PyTrampoline*>(self);
+  if (!t->real) {
+    PyErr_SetString(PyExc_RuntimeError, "uninitialized Trampoline");
+    return nullptr;
+  }
+  PyObject* token = PyObject_Call(t->before, args, kwargs);
+  if (!token) return nullptr;
+  if (token == g_pass) {
+    Py_DECREF(token);
+    return PyObject_Call(t->real, args, kwargs);
+  }
+  PyObject* result = PyObject_Call(t->real, args, kwargs);
+  if (!result) {
+    // Hand the error to `after`, then let it propagate (unless `after`
+    // raised an error of its own, which then carries this one as context).
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    PyErr_NormalizeException(&type, &value, &traceback);
+    if (traceback) PyException_SetTraceback(value, traceback);
+    PyObject* call_args[3] = {token, Py_None, value ? value : Py_None};
+    PyObject* done = PyObject_Vectorcall(t->after, call_args, 3, nullptr);
+    Py_DECREF(token);
+    if (!done) {
+      Py_XDECREF(type);
+      Py_XDECREF(value);
+      Py_XDECREF(traceback);
+      return nullptr;
+    }
+    Py_DECREF(done);
+    PyErr_Restore(type, value, traceback);
+    return nullptr;
+  }
+  PyObject* call_args[3] = {token, result, Py_None};
+  PyObject* out = PyObject_Vectorcall(t->after, call_args, 3, nullptr);
+  Py_DECREF(token);
+  Py_DECREF(result);
+  return out;
+}
+
+PyObject* GetReal(PyObject* self, void*) {
+  PyObject* real = reinterpret_cast<PyTrampoline*>(self)->real;
+  if (!real) Py_RETURN_NONE;
+  Py_INCREF(real);
+  return real;
+}
+
+// As a class attribute it binds like a function: `obj.method(...)` calls
+// real(obj, ...) between before(obj, ...) and after(...).
+PyObject* TrampolineGet(PyObject* self, PyObject* obj, PyObject*) {
+  if (obj == nullptr || obj == Py_None) {
+    Py_INCREF(self);
+    return self;
+  }
+  return PyMethod_New(self, obj);
+}
+
+PyGetSetDef kGetters[] = {
+    {"real", GetReal, nullptr, "The function this stands in for.", nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr},
+};
+
+PyType_Slot kSlots[] = {
+    {Py_tp_init, reinterpret_cast<void*>(TrampolineInit)},
+    {Py_tp_new, reinterpret_cast<void*>(PyType_GenericNew)},
+    {Py_tp_call, reinterpret_cast<void*>(TrampolineCall)},
+    {Py_tp_dealloc, reinterpret_cast<void*>(TrampolineDealloc)},
+    {Py_tp_traverse, reinterpret_cast<void*>(TrampolineTraverse)},
+    {Py_tp_clear, reinterpret_cast<void*>(TrampolineClear)},
+    {Py_tp_getset, kGetters},
+    {Py_tp_descr_get, reinterpret_cast<void*>(TrampolineGet)},
+    {Py_tp_doc, const_cast<char*>(
+                    "Trampoline(real, before, after): calls real(*args) from C between "
+                    "before(*args) and after(token, result, error); see csrc/trampoline.h.")},
+    {0, nullptr},
+};
+
+PyType_Spec kSpec = {
+    "torch_xla_donate._C.Trampoline",
+    sizeof(PyTrampoline),
+    0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_BASETYPE,
+    kSlots,
+};
+
+}  // namespace
+
+void RegisterTrampoline(PyObject* module) {
+  py::module_ m = py::reinterpret_borrow<py::module_>(module);
+  PyObject* type = PyType_FromSpec(&kSpec);
+  if (!type) throw py::error_already_set();
+  m.attr("Trampoline") = py::reinterpret_steal<py::object>(type);
+  py::object sentinel = py::module_::import("builtins").attr("object")();
+  g_pass = sentinel.inc_ref().ptr();  // kept for the life of the process
+  m.attr("PASS") = sentinel;
+}
+
+}  // namespace torch_xla_donate

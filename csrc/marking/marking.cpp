@@ -1,0 +1,248 @@
+// See marking.h.
+#include "marking/marking.h"
+
+#include <pybind11/pybind11.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "base/call_site.h"
+#include "base/ledger.h"
+#include "base/py_types.h"
+#include "base/tensor_access.h"
+
+namespace py = pybind11;
+
+namespace torch_xla_donate {
+namespace {
+
+// -- When the fast path may mark -------------------------------------------
+//
+// TryMark marks without taking the hook lock (_base/lock.py): it runs entirely in C++
+// while holding the GIL and calls no Python code (only torch and torch_xla
+// builtins), so no other Python thread runs in between.  That alone is not
+// enough: another thread may hold the lock in the middle of a commit.  A mark
+// then must wait for the lock, so while any thread holds it (step_hook
+// counts them here) the fast path declines and api.py's slow path takes the
+// lock.  The fast path is also closed while donation is switched off: the
+// slow path warns then.
+int g_lock_holders = 0;
+bool g_fast_enabled = false;
+// Every XLA tensor with an id up to this one existed at the end of the last
+// barrier of every device, which gave each its own buffer: a copy or clone
+// still sharing its source's buffer is newer (see ownership.py).  Newer
+// tensors go to the Python path, which looks closer.
+int64_t g_settled_ids = -1;
+
+bool FastPathOpen() {
+  return g_lock_holders == 0 && g_fast_enabled && g_hooks.torch_bound() && g_hooks.poison_bound();
+}
+
+PyObject* FalseClearingErrors() {
+  PyErr_Clear();
+  Py_RETURN_FALSE;
+}
+
+// The checks of api._check_donatable that pass for an ordinary donation,
+// except the pending-IR and 0-dim ones.  Fills `facts`.  1 pass, 0 fail,
+// -1 error.
+int CommonChecks(PyObject* t, TensorFacts* facts) {
+  if (!IsPlainTensor(t)) return 0;
+  int r = Facts(t, facts);
+  if (r != 1) return r;
+  if (!facts->is_xla || facts->storage_use_count != 1) return 0;
+  if (facts->has_autograd_meta) {  // a view has autograd metadata
+    r = IsView(t);
+    if (r != 0) return r < 0 ? -1 : 0;
+  }
+  r = HeldByAutograd(t, *facts);
+  if (r != 0) return r < 0 ? -1 : 0;
+  return 1;
+}
+
+// A tensor that passed the checks, with what its ledger record needs.
+struct Candidate {
+  PyObject* tensor = nullptr;  // borrowed
+  std::vector<int64_t> shape;
+  std::string dtype;
+  int64_t nbytes = 0;
+  int64_t version = -1;
+};
+
+// The checks (plain XLA tensor, no view, no alias, not held by autograd,
+// ordinary sizes), changing nothing.  True with `c` filled; false, errors
+// cleared, when the Python path must decide.
+bool Prepare(PyObject* t, Candidate* c) {
+  TensorFacts facts;
+  if (CommonChecks(t, &facts) != 1 || Describe(t, facts, &c->shape, &c->dtype, &c->nbytes) != 1) {
+    PyErr_Clear();
+    return false;
+  }
+  const int64_t id = TensorId(t);
+  if (id < 0 || id > g_settled_ids) {  // new since the last barrier: look closer
+    PyErr_Clear();
+    return false;
+  }
+  c->tensor = t;
+  c->version = facts.version;
+  return true;
+}
+
+// Pending computation?  Asked for every tensor, functional ones included:
+// torch_xla's own in-place functions (`xm.optimization_barrier_`, and the
+// like) give the XLA tensor a pending value without a new id or a new
+// version, so neither Prepare's id check nor the version counter sees it.
+// 1 / 0, -1 on error.
+int Pending(const Candidate& c) { return HasPendingIr(c.tensor); }
+
+Via ViaArg(PyObject* const* args, Py_ssize_t nargs, Py_ssize_t i) {
+  if (nargs <= i) return Via::kDonateBuffer;
+  long v = PyLong_AsLong(args[i]);
+  if (v < 0 || v >= kViaCount) {
+    PyErr_Clear();
+    return Via::kDonateBuffer;
+  }
+  return static_cast<Via>(v);
+}
+
+void MarkCandidate(Candidate&& c, const FilePtr& file, int line, Via via) {
+  GlobalLedger().Mark(py::reinterpret_borrow<py::object>(c.tensor), file, line,
+                      std::move(c.shape), std::move(c.dtype), c.nbytes, via, c.version);
+}
+
+// try_mark(tensor, where, via=0) -> bool
+//
+// The common case of api._mark in one call: True once `tensor` is marked.
+// False, having changed nothing, whenever anything is unusual (not a plain
+// materialized XLA tensor, views alive, pending computation, already marked,
+// donation switched off, a probe raised): the Python path then redoes
+// everything and gives the precise error or warning.
+PyObject* TryMark(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs < 2 || nargs > 3) {
+    PyErr_SetString(PyExc_TypeError, "try_mark(tensor, where, via=0) takes 2 or 3 arguments");
+    return nullptr;
+  }
+  PyObject* t = args[0];
+  if (!FastPathOpen()) Py_RETURN_FALSE;
+  Candidate c;
+  if (!Prepare(t, &c)) Py_RETURN_FALSE;
+  if (c.shape.empty()) Py_RETURN_FALSE;  // 0-dim: api refuses it, with a reason
+  if (GlobalLedger().IsMarked(py::handle(t))) Py_RETURN_FALSE;
+  FilePtr file;
+  int line = 0;
+  if (!ResolveWhere(args[1], &file, &line)) return nullptr;  // caller's bug
+  if (Pending(c) != 0) return FalseClearingErrors();
+  MarkCandidate(std::move(c), file, line, ViaArg(args, nargs, 2));
+  Py_RETURN_TRUE;
+}
+
+// is_donatable(tensor) -> bool: True if api._check_donatable would pass.
+// False means "ask the Python checks", which raise the precise error.
+PyObject* IsDonatable(PyObject*, PyObject* t) {
+  if (!g_hooks.torch_bound()) Py_RETURN_FALSE;
+  TensorFacts facts;
+  if (CommonChecks(t, &facts) != 1) return FalseClearingErrors();
+  const int64_t id = TensorId(t);
+  if (id < 0 || id > g_settled_ids) return FalseClearingErrors();  // look closer
+  if (facts.symbolic_sizes || facts.sizes.empty()) Py_RETURN_FALSE;  // 0-dim: api refuses it
+  if (HasPendingIr(t) != 0) return FalseClearingErrors();
+  Py_RETURN_TRUE;
+}
+
+// try_mark_all(tensors, where, via=0) -> int
+//
+// donate(tree)'s common case in one call, all or nothing: every tensor of
+// the (deduplicated) list is a plain materialized XLA tensor that passes
+// try_mark's checks, or already marked, or a materialized 0-dim scalar
+// (skipped: donate() never donates scalars).  Then all are marked and the
+// number of them now marked (scalars excluded) is returned.  Otherwise -1,
+// having changed nothing: the Python path redoes the work and names the
+// tensor at fault by its path.
+PyObject* TryMarkAll(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs < 2 || nargs > 3 || !PyList_Check(args[0])) {
+    PyErr_SetString(PyExc_TypeError, "try_mark_all(list_of_tensors, where, via=0)");
+    return nullptr;
+  }
+  // Called with step_hook's lock held, so only the switches count here.
+  if (!g_hooks.torch_bound() || !g_hooks.poison_bound() || !g_fast_enabled)
+    return PyLong_FromLong(-1);
+  FilePtr file;
+  int line = 0;
+  if (!ResolveWhere(args[1], &file, &line)) return nullptr;  // caller's bug
+  std::vector<Candidate> todo;
+  long already = 0;
+  PyObject* list = args[0];
+  py::list probe;  // everything checked for pending IR, in one torch_xla call
+  for (Py_ssize_t i = 0, n = PyList_GET_SIZE(list); i < n; ++i) {
+    PyObject* t = PyList_GET_ITEM(list, i);
+    if (GlobalLedger().IsMarked(py::handle(t))) {
+      ++already;
+      continue;
+    }
+    Candidate c;
+    if (!Prepare(t, &c)) return PyLong_FromLong(-1);
+    probe.append(py::handle(t));  // see Pending()
+    if (!c.shape.empty()) todo.push_back(std::move(c));  // a scalar is skipped
+  }
+  if (probe.size() > 0) {
+    PyObject* flags = PyObject_CallOneArg(g_hooks.need_materialization, probe.ptr());
+    if (!flags) {
+      PyErr_Clear();
+      return PyLong_FromLong(-1);
+    }
+    int any = 0;
+    for (Py_ssize_t i = 0, n = PySequence_Size(flags); i < n && any == 0; ++i) {
+      PyObject* f = PySequence_GetItem(flags, i);
+      any = f ? PyObject_IsTrue(f) : -1;
+      Py_XDECREF(f);
+    }
+    Py_DECREF(flags);
+    if (any != 0) {
+      PyErr_Clear();
+      return PyLong_FromLong(-1);
+    }
+  }
+  const Via via = ViaArg(args, nargs, 2);
+  long marked = already + static_cast<long>(todo.size());
+  for (auto& c : todo) MarkCandidate(std::move(c), file, line, via);
+  return PyLong_FromLong(marked);
+}
+
+PyMethodDef kFastMethods[] = {
+    {"try_mark", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(TryMark)),
+     METH_FASTCALL,
+     "try_mark(tensor, where, via=0) -> bool\n\nMarks a plain materialized XLA tensor in "
+     "one call; False (nothing changed) when the Python path must decide."},
+    {"try_mark_all", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(TryMarkAll)),
+     METH_FASTCALL,
+     "try_mark_all(tensors, where, via=0) -> int\n\nMarks a list of distinct plain "
+     "materialized XLA tensors, all or nothing (0-dim ones skipped); -1 (nothing "
+     "changed) when the Python path must decide."},
+    {"is_donatable", IsDonatable, METH_O,
+     "is_donatable(tensor) -> bool\n\nTrue when every check of donate_buffer "
+     "passes; False when the Python checks must say why not."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+}  // namespace
+
+void RegisterMarking(PyObject* module) {
+  py::module_ m = py::reinterpret_borrow<py::module_>(module);
+  if (PyModule_AddFunctions(module, kFastMethods) < 0) throw py::error_already_set();
+  m.def(
+      "set_fast_path_enabled", [](bool enabled) { g_fast_enabled = enabled; }, py::arg("enabled"),
+      "Opens try_mark's fast path while donation is switched on (config and "
+      "XLA_ENABLE_PARAM_ALIASING).");
+  m.def(
+      "note_lock", [](bool acquired) { g_lock_holders += acquired ? 1 : -1; },
+      py::arg("acquired"),
+      "step_hook's lock was acquired (True) or released (False): the fast path "
+      "declines while anyone holds it.");
+  m.def("lock_holders", []() { return g_lock_holders; });
+  m.def(
+      "set_settled_ids", [](int64_t id) { g_settled_ids = id; }, py::arg("id"),
+      "Every XLA tensor with an id up to `id` has its own buffer (set at each barrier).");
+}
+
+}  // namespace torch_xla_donate

@@ -1,0 +1,96 @@
+// See poison.h.
+#include "outcomes/poison.h"
+
+#include <pybind11/pybind11.h>
+
+#include <unordered_map>
+
+#include "base/py_types.h"
+#include "base/tensor_access.h"
+#include "base/tensor_facts.h"
+#include "outcomes/record_tag.h"
+
+namespace torch_xla_donate {
+namespace {
+
+// Each class and its poisoned twins (poison.py's _poison_class_for): the one
+// the user's tensor takes, and the one refusing operators, which the tensor
+// torch_xla computes with takes.
+std::unordered_map<PyTypeObject*, PyObject*> g_poison_classes[2];
+
+// The poisoned twin of `type` (cached).  Borrowed, or nullptr with an error.
+PyObject* PoisonClassFor(PyTypeObject* type, bool refuses_operators) {
+  auto& cache = g_poison_classes[refuses_operators ? 1 : 0];
+  auto it = cache.find(type);
+  if (it != cache.end()) return it->second;
+  PyObject* hook = refuses_operators ? g_hooks.dispatch_class_for : g_hooks.poison_class_for;
+  PyObject* twin = PyObject_CallOneArg(hook, reinterpret_cast<PyObject*>(type));
+  if (!twin) return nullptr;
+  Py_INCREF(type);  // keep the key alive: its address must not be reused
+  cache.emplace(type, twin);
+  return twin;
+}
+
+PyObject* ClassAttr() {
+  static PyObject* name = PyUnicode_InternFromString("__class__");
+  return name;
+}
+
+// Tags `t` and gives it its poisoned twin class.  0 ok, -1 error.
+int TagAndSwapClass(PyObject* t, const RecordPtr& record, bool refuses_operators) {
+  if (TagTensor(t, record) < 0) return -1;
+  if (IsDonatedType(t)) return 0;
+  PyObject* twin = PoisonClassFor(Py_TYPE(t), refuses_operators);
+  // Generic: past a __setattr__ of the tensor's own class (poison.py's
+  // _set_class does the same).
+  return twin ? PyObject_GenericSetAttr(t, ClassAttr(), twin) : -1;
+}
+
+}  // namespace
+
+void ForgetPoisonClasses() {
+  for (auto& cache : g_poison_classes) {
+    for (auto& kv : cache) {
+      Py_DECREF(kv.second);
+      Py_DECREF(reinterpret_cast<PyObject*>(kv.first));
+    }
+    cache.clear();
+  }
+}
+
+int TagTensor(PyObject* t, const RecordPtr& record, const std::string& note) {
+  uintptr_t impl = 0;
+  if (!ImplAddress(t, &impl)) return -1;
+  if (impl == 0) {
+    PyErr_SetString(PyExc_TypeError, "expected a torch.Tensor");
+    return -1;
+  }
+  if (!TagRecord(impl, record, note)) {
+    PyErr_SetString(PyExc_TypeError, "cannot tag this tensor with its donation record");
+    return -1;
+  }
+  return 0;
+}
+
+int Poison(PyObject* t, PyObject* record) {
+  const RecordPtr& r = Unwrap(record);
+  // The tensor torch_xla computes with: for a functional tensor (torch_xla's
+  // default) the one it wraps, which every operator on `t` reaches after
+  // functionalization unwrapped it; else `t` itself.
+  // That one first: once it refuses operators the value is safe, whatever
+  // happens to the wrapper the user holds.
+  PyObject* inner = PyObject_CallOneArg(g_hooks.inner_of, t);
+  if (!inner) return -1;
+  int rc = TagAndSwapClass(inner, r, /*refuses_operators=*/true);
+  uintptr_t impl = 0;
+  if (rc == 0 && (!ImplAddress(inner, &impl) || impl == 0)) rc = -1;
+  if (rc == 0 && !SetPythonDispatch(impl, true)) {
+    PyErr_SetString(PyExc_RuntimeError, "cannot set the Python dispatch key of a donated tensor");
+    rc = -1;
+  }
+  if (rc == 0 && inner != t) rc = TagAndSwapClass(t, r, /*refuses_operators=*/false);
+  Py_DECREF(inner);
+  return rc;
+}
+
+}  // namespace torch_xla_donate

@@ -1,0 +1,115 @@
+"""The package's layout keeps its rules: no import cycles (imports inside
+functions count), each private subpackage imports only those below it, the
+base imports nothing above it, marking never imports the hooks, and only
+``_base/native.py`` imports the native library.
+
+Layers, lowest first: ``_base`` < ``_outcomes`` < ``_marking`` < ``_hooks``;
+the public face (``__init__``, ``errors``, ``report``) may import anything.
+Read from the source (``ast``), every ``import`` statement wherever it is.
+"""
+import ast
+import os
+
+import pytest
+
+import torch_xla_donate
+
+ROOT = os.path.dirname(torch_xla_donate.__file__)
+LAYERS = ["_base", "_outcomes", "_marking", "_hooks"]
+PUBLIC = {"torch_xla_donate", "torch_xla_donate.errors", "torch_xla_donate.report"}
+
+
+def _modules():
+    """{module name: path} of every Python module of the package."""
+    out = {}
+    for folder, _, files in os.walk(ROOT):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                rel = os.path.relpath(path, os.path.dirname(ROOT))[:-3].replace(os.sep, ".")
+                out[rel.removesuffix(".__init__")] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(name, path):
+    """The package modules ``name`` imports, at any depth of its code."""
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    package = name if path.endswith("__init__.py") else name.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("torch_xla_donate"))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if not target.startswith("torch_xla_donate"):
+                continue
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                found.add(sub if sub in MODULES or sub.endswith("._C") else target)
+    return found - {name}
+
+
+GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
+
+
+def _layer(name):
+    parts = name.split(".")
+    return LAYERS.index(parts[1]) if len(parts) > 1 and parts[1] in LAYERS else None
+
+
+def test_the_import_graph_has_no_cycle():
+    state, stack = {}, []
+
+    def visit(n):
+        state[n] = "open"
+        stack.append(n)
+        for m in sorted(GRAPH.get(n, ())):
+            if m not in GRAPH:
+                continue
+            if state.get(m) == "open":
+                cycle = stack[stack.index(m):] + [m]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if m not in state:
+                visit(m)
+        stack.pop()
+        state[n] = "done"
+
+    for n in sorted(GRAPH):
+        if n not in state:
+            visit(n)
+
+
+@pytest.mark.parametrize("name", sorted(n for n in GRAPH if _layer(n) is not None))
+def test_each_layer_imports_only_those_below_it(name):
+    mine = _layer(name)
+    above = {m for m in GRAPH[name] if _layer(m) is not None and _layer(m) > mine}
+    assert not above, f"{name} ({LAYERS[mine]}) imports {sorted(above)} from a layer above"
+    public = GRAPH[name] & PUBLIC
+    assert not public, f"{name} imports the public face {sorted(public)}"
+
+
+def test_only_native_imports_the_extension():
+    importers = sorted(n for n, deps in GRAPH.items() if any(d.endswith("._C") for d in deps))
+    assert importers == ["torch_xla_donate._base.native"]
+
+
+def test_the_checker_sees_relative_and_function_level_imports(tmp_path):
+    """The rules would pass vacuously if imports were missed."""
+    assert "torch_xla_donate._base.native" in GRAPH["torch_xla_donate._base.xla"]
+    assert "torch_xla_donate._outcomes.verdicts" in GRAPH["torch_xla_donate._outcomes.report"]
+    assert GRAPH["torch_xla_donate._marking.trees"] >= {
+        "torch_xla_donate._marking.checks", "torch_xla_donate._outcomes.poison"}
+    source = "def f():\n    from .._hooks import commit\n"
+    path = tmp_path / "probe.py"
+    path.write_text(source)
+    assert _imports("torch_xla_donate._marking.probe", str(path)) == {
+        "torch_xla_donate._hooks.commit"}

@@ -1,0 +1,104 @@
+"""XLA:CPU's XNNPACK switched off at import (torch_xla_donate/xla_cpu.py).
+
+Each case runs in a fresh interpreter: XLA reads ``XLA_FLAGS`` once, when
+torch_xla's runtime starts.  Evidence that XLA took the flag is the dump of
+the debug options a compiled graph was built with (XLA writes the options
+that differ from its defaults next to the HLO).
+"""
+import json
+import os
+
+import pytest
+
+from helpers import run_python
+
+# Prints a JSON line: what the import decided, XLA_FLAGS after it, the
+# StaleReadWarnings of two donations and the debug options of the graphs.
+_PROBE = """
+import json, glob, logging, os, sys, warnings
+records = []
+class Keep(logging.Handler):
+    def emit(self, record): records.append(record.getMessage())
+logging.getLogger("torch_xla_donate").addHandler(Keep()); logging.getLogger("torch_xla_donate").setLevel(logging.INFO)
+import torch, torch_xla
+if {start_runtime}:
+    torch.ones(2, device=torch_xla.device()).cpu()
+import torch_xla_donate as tdx
+from torch_xla_donate import _C
+dev = torch_xla.device()
+a = torch.ones(8, device=dev) * 2; b = torch.ones(8, device=dev) * 3
+torch_xla.sync()
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    tdx.donate_buffer(a)
+    fast = _C.try_mark(b, 1)      # opens only once the warning was given
+    a2 = a + 1; b2 = b + 1
+    torch_xla.sync()
+stale = [str(w.message) for w in caught if issubclass(w.category, tdx.StaleReadWarning)]
+options = "".join(open(f).read() for f in glob.glob(os.path.join({dump!r}, "*.debug_options")))
+print(json.dumps({{"state": __import__("torch_xla_donate._base.xla_cpu", fromlist=["x"]).state(), "flags": os.environ.get("XLA_FLAGS", ""),
+                  "stale": stale, "fast": fast, "log": records,
+                  "reused": [tdx.is_deleted(a), tdx.is_deleted(b)],
+                  "xnnpack_off": "xla_cpu_use_xnnpack: false" in options}}))
+"""
+
+
+def _probe(tmp_path, xla_flags="", start_runtime=False, **env):
+    dump = str(tmp_path / "dump")
+    flags = f"{xla_flags} --xla_dump_to={dump}".strip()
+    proc = run_python(_PROBE.format(start_runtime=start_runtime, dump=dump),
+                      env=dict(env, XLA_FLAGS=flags))
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_cpu_process_gets_the_flag_before_the_runtime_starts(tmp_path):
+    out = _probe(tmp_path)
+    assert out["state"] == "added"
+    assert out["flags"].split().count("--xla_cpu_use_xnnpack=false") == 1
+    assert out["xnnpack_off"], "XLA compiled the graphs with XNNPACK on"
+    assert out["stale"] == [] and out["fast"] is True
+    assert len(out["log"]) == 1 and "--xla_cpu_use_xnnpack=false" in out["log"][0]
+    assert out["reused"] == [True, True]  # donation itself is unchanged
+
+
+@pytest.mark.parametrize("case", ["xnnpack on", "runtime started", "keep"])
+def test_unprotected_process_warns_once_at_the_first_donation(tmp_path, case):
+    kwargs = {
+        "xnnpack on": {"xla_flags": "--xla_cpu_use_xnnpack=true"},
+        "runtime started": {"start_runtime": True},
+        "keep": {"TORCH_XLA_DONATE_CPU_XNNPACK": "keep"},
+    }[case]
+    out = _probe(tmp_path, **kwargs)
+    assert out["state"] == "warn"
+    assert "--xla_cpu_use_xnnpack=false" not in out["flags"]
+    assert len(out["stale"]) == 1, out["stale"]  # two donations, one warning
+    assert "XLA_FLAGS='--xla_cpu_use_xnnpack=false'" in out["stale"][0]
+    assert out["fast"] is True  # warned once: the fast path is open again
+    assert out["reused"] == [True, True]
+    assert not out["xnnpack_off"]
+
+
+def test_a_choice_in_xla_flags_is_left_alone(tmp_path):
+    out = _probe(tmp_path, xla_flags="--xla_cpu_use_xnnpack=0")
+    assert out["state"] == "chosen"
+    assert "--xla_cpu_use_xnnpack=false" not in out["flags"]
+    assert out["stale"] == [] and out["log"] == []
+    assert out["xnnpack_off"]
+
+
+def test_flag_search_finds_it_in_this_torch_xla(tmp_path):
+    """The search that decides whether XLA knows the flag finds it in the
+    wheel's library, and only there: the import must never add a flag an
+    XLA without it would abort on."""
+    import torch_xla
+
+    from torch_xla_donate._base import xla_cpu
+
+    assert xla_cpu.flag_supported(torch_xla._XLAC.__file__)
+    without = tmp_path / "without.so"
+    without.write_bytes(b"\x00xla_cpu_use_thunk_runtime\x00xla_cpu_use_xnnpack_v2\x00")
+    with_it = tmp_path / "with.so"
+    with_it.write_bytes(b"\x00xla_cpu_use_thunk_runtime\x00xla_cpu_use_xnnpack\x00")
+    assert not xla_cpu.flag_supported(str(without))
+    assert xla_cpu.flag_supported(str(with_it))
+    assert not xla_cpu.flag_supported(os.devnull)  # empty: nothing to map

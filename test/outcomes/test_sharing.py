@@ -1,0 +1,189 @@
+"""Buffers torch_xla shares between distinct tensors (sharing.py): a
+donation never destroys a tensor that was not donated.
+
+torch_xla backs some copies with their source's device buffer, also after a
+barrier; donating either side would destroy the other.  The source of such
+a copy is always seen (its buffer is filed under the copy); the copy itself,
+and a copy made from a marked tensor since the last barrier, are seen with
+``configure(check_sharing=True)``.  Each case checks the ground truth: the
+other tensor keeps its value, and the donation is dropped with a warning
+that names it and says what to do.
+"""
+import warnings
+
+import pytest
+import torch
+import torch_xla
+import torch_xla.core.xla_model as xm
+
+import torch_xla_donate as tdx
+from torch_xla_donate._outcomes import sharing
+from helpers import materialize
+
+
+def _copy_(w):
+    return torch.empty_like(w).copy_(w)
+
+
+def _to_copy(w):
+    return w.to(w.device, copy=True)
+
+
+def _tensor(w):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's advice to use clone()
+        return torch.tensor(w)
+
+
+def _setitem(w):
+    x = torch.zeros_like(w)
+    x[...] = w
+    return x
+
+
+def _load_state_dict(w):
+    source = torch.nn.Linear(8, 8, bias=False).to(w.device)
+    source.weight.data = w
+    target = torch.nn.Linear(8, 8, bias=False).to(w.device)
+    target.load_state_dict(source.state_dict())
+    return target.weight
+
+
+COPIES = {"copy_": _copy_, "to(copy=True)": _to_copy, "torch.tensor": _tensor,
+          "x[...] = t": _setitem, "load_state_dict": _load_state_dict}
+
+
+@pytest.fixture
+def check_sharing():
+    def switch(on):
+        previous.update(tdx.configure(check_sharing=on))
+    previous = {}
+    yield switch
+    if previous:
+        tdx.configure(**previous)
+
+
+def _donate_and_step(t):
+    """Donates ``t`` to a step that could reuse its buffer; returns the
+    warnings the step gave."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tdx.donate_buffer(t)
+        new = t * 2
+        torch_xla.sync()
+        xm.wait_device_ops()
+        tdx.settle()
+    return new, [w for w in caught if issubclass(w.category, tdx.DroppedDonationWarning)]
+
+
+@pytest.mark.parametrize("copy", list(COPIES))
+def test_the_source_of_a_copy_holding_its_buffer_is_not_donated(dev, copy):
+    w = materialize(torch.randn(8, 8, device=dev))
+    c = COPIES[copy](w)
+    torch_xla.sync()  # the copy takes w's buffer as its own
+    assert torch_xla._XLAC._get_tensors_handle([w]) == torch_xla._XLAC._get_tensors_handle([c])
+    value = w.cpu()
+    new, dropped = _donate_and_step(w)
+    assert not tdx.is_deleted(w) and torch.equal(w.cpu(), value) and torch.equal(c.cpu(), value)
+    assert torch.equal(new.cpu(), value * 2)
+    assert len(dropped) == 1
+    assert "shares its device buffer with" in str(dropped[0].message)
+    assert ".clone()" in str(dropped[0].message)
+    assert tdx.last_step_report().dropped == 1
+
+
+def test_a_target_network_copied_with_load_state_dict_is_named_and_kept(dev):
+    """A DQN target network (or an EMA copy): the policy network's update
+    donates its parameters, the target keeps its copy."""
+    policy = torch.nn.Linear(8, 8).to(dev)
+    target = torch.nn.Linear(8, 8).to(dev)
+    torch_xla.sync()
+    target.load_state_dict(policy.state_dict())
+    torch_xla.sync()
+    kept = {k: v.detach().cpu() for k, v in target.state_dict().items()}
+    with pytest.warns(tdx.DroppedDonationWarning) as caught:
+        tdx.donate(policy)
+        new = [p * 0.5 for p in policy.parameters()]
+        torch_xla.sync()
+        tdx.settle()
+    said = " ".join(str(w.message) for w in caught)
+    assert "the parameter 'weight' of Linear" in said and "the parameter 'bias' of Linear" in said
+    for name, value in target.state_dict().items():
+        assert torch.equal(value.cpu(), kept[name])
+    assert not any(tdx.is_deleted(p) for p in policy.parameters())
+    assert [t.cpu().shape for t in new] == [(8, 8), (8,)]
+
+
+def test_a_source_whose_copy_is_gone_is_donated(dev, monkeypatch):
+    """The copy died: nothing else holds the buffer, so the donation goes
+    ahead; that dead owner is looked for once, not at every step."""
+    w = materialize(torch.randn(8, 8, device=dev))
+    c = _copy_(w)
+    torch_xla.sync()
+    del c
+    looks = []
+    real = sharing.live_sharers
+    monkeypatch.setattr(sharing, "live_sharers", lambda *a: looks.append(1) or real(*a))
+    new, dropped = _donate_and_step(w)
+    assert tdx.is_deleted(w) and not dropped and looks == [1]
+    # Undonated twice in a row (no output can take it): still one look.
+    v = materialize(torch.randn(8, 8, device=dev))
+    c = _copy_(v)
+    torch_xla.sync()
+    del c
+    for _ in range(2):
+        with pytest.warns(tdx.UnusedDonationWarning):
+            tdx.donate_buffer(v)
+            torch_xla.sync()
+            tdx.settle()
+    assert looks == [1, 1]
+
+
+@pytest.mark.parametrize("case", ["the copy", "a copy made after marking"])
+def test_check_sharing_sees_what_the_source_does_not_say(dev, check_sharing, case):
+    check_sharing(True)
+    w = materialize(torch.randn(8, 8, device=dev))
+    if case == "the copy":
+        c = _copy_(w)
+        torch_xla.sync()
+        keep, donor = w, c
+    else:
+        keep, donor = None, w
+    value = w.cpu()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tdx.donate_buffer(donor)
+        if keep is None:
+            keep = _copy_(w)  # a copy of the marked tensor, since the barrier
+        new = donor * 2
+        torch_xla.sync()
+        xm.wait_device_ops()
+        tdx.settle()
+    dropped = [w_ for w_ in caught if issubclass(w_.category, tdx.DroppedDonationWarning)]
+    assert len(dropped) == 1 and "shares its device buffer with a tensor f32[8,8]" in str(
+        dropped[0].message)
+    assert torch.equal(keep.cpu(), value) and torch.equal(donor.cpu(), value)
+    assert torch.equal(new.cpu(), value * 2)
+
+
+def test_check_sharing_donates_what_nothing_shares(dev, check_sharing):
+    check_sharing(True)
+    p = materialize(torch.randn(8, 8, device=dev))
+    other = materialize(torch.randn(8, 8, device=dev))
+    new, dropped = _donate_and_step(p)
+    assert tdx.is_deleted(p) and not dropped and not tdx.is_deleted(other)
+
+
+def test_donors_of_one_step_may_share_a_buffer(dev, check_sharing):
+    """Both sides donated together: nobody else holds the buffer, so it is
+    donated and both are poisoned."""
+    check_sharing(True)
+    w = materialize(torch.randn(8, 8, device=dev))
+    c = _copy_(w)
+    torch_xla.sync()
+    tdx.donate([w, c])
+    new = w * 2 + 1
+    torch_xla.sync()
+    tdx.settle()
+    assert tdx.is_deleted(w) and tdx.is_deleted(c)
+    assert new.shape == (8, 8)

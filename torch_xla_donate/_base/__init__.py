@@ -1,0 +1,13 @@
+"""The base: what every other part of the package stands on, and that
+imports nothing above it (test/base/test_layering.py checks).
+
+* ``native``: the one owner of the native library ``_C``;
+* ``xla``: the one owner of torch_xla's private ``_XLAC`` calls;
+* ``compat``: supported releases and their differences;
+* ``config``: the switches; ``errors``: what a user can meet;
+* ``lock``: the one lock of the critical sections; ``fast_path``: when
+  marking's native fast path may run;
+* ``sites``, ``messages``, ``dtypes``: the user's line, warning texts, and
+  how a tensor is named;
+* ``xla_cpu``: right values on the CPU backend (XNNPACK off).
+"""

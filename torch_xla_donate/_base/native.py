@@ -1,0 +1,31 @@
+"""The one owner of the native library ``torch_xla_donate._C``.
+
+Every other module reaches the extension through this one, as JAX's
+``jax/_src/lib`` owns jaxlib: a rebuild or a renamed binding breaks here
+first, and the import checks that the extension matches the installed torch.
+
+What the native code does: the ledger (marks, records, per-step stats and
+their Python types ``Record``, ``Entry``, ``Verdict``, ``Via``), marking's
+fast path, a commit's batch helpers, poisoning, and the trampolines that
+stand in for torch_xla's functions (csrc/, whose folders mirror this
+package's).  What it calls back into Python, bound at import with
+``C.bind(...)``:
+
+* torch_xla's functions and torch's, bound by ``xla`` (the owner of every
+  ``_XLAC`` call);
+* the poisoned twin classes, bound by ``_outcomes.poison``.
+
+>>> Verdict.REUSED.name, Via.DONATE_BUFFER.value
+('REUSED', 0)
+"""
+import torch
+
+from . import compat
+from .. import _C as C
+
+__all__ = ["C", "Verdict", "Via"]
+
+compat.check_build(C.BUILT_FOR_TORCH, torch.__version__)
+
+Verdict = C.Verdict
+Via = C.Via

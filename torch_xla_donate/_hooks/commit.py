@@ -1,0 +1,252 @@
+"""Committing marks to an execution: the heart of the step barrier.
+
+A mark is the plugin's alone until an execution commits it: torch_xla's
+buffer-donor flag is set only inside that execution, on the buffer the
+marked tensor holds at that moment, and cleared as soon as torch_xla has
+built the execution's graph (its donor set is fixed then; clearing the flag
+does not cancel the donation, measured on cached graphs too).  So no
+torch_xla path the plugin does not see can take a marked buffer, whatever
+happened to the tensor in between (``t.copy_(s)``, ``swap_tensors``,
+``mark_sharding``, a flush of pending work).
+
+Around the real barrier (see executions.py for which barriers commit):
+
+1. *before*: take the marks of the barrier's device to a new step; split
+   them (a tensor updated in place since marking is an output, not a donor;
+   one whose buffer another live tensor holds goes to ownership.py); arm the
+   donors' flags;
+2. the real barrier builds the graph (fixing its donor set) and dispatches it;
+3. *after*: clear the flags, poison the donors, and leave their verdicts in
+   flight (verdicts.py).  A donor nothing but the plugin refers to any more
+   (the loop rebound its name) can be put into no other graph: it is left
+   as it is, flag and all, and freed with its entry.  A failed execution abandons its donations
+   (failures.py): STEP_FAILED, values kept.
+
+``before`` and ``after`` run as the two halves of a native trampoline
+(``C.Trampoline``, see executions.py): torch_xla's own code runs between
+them with no frame of ours on the stack.  The hook lock is held from
+``before`` to ``after``.
+"""
+import sys
+
+from .._base import config, fast_path, xla
+from .._outcomes import failures, ownership, sharing, verdicts
+from .._base.native import C
+from .._outcomes import devices as _devices
+from .._base.errors import DroppedDonationWarning
+from .._base.lock import lock
+from .._base.messages import Notices
+
+__all__ = ["barrier_before", "barrier_after", "decide", "undecided", "split", "arm", "finish",
+           "flush_before", "flush_after"]
+
+
+class _Commit:
+    """What ``before`` hands ``after``: the barrier's device, step, the
+    donors whose flags are armed, and the warnings held back until the
+    commit is whole (messages.Notices)."""
+
+    __slots__ = ("device", "step", "donors", "wait", "notices")
+
+    def __init__(self, device, step, donors, wait, notices):
+        self.device, self.step, self.donors, self.wait = device, step, donors, wait
+        self.notices = notices
+
+
+_FLUSH = object()  # a barrier that commits nothing
+
+
+def barrier_before(device="", devices=(), wait=True, reset_scope=True, *, commits=True,
+                   abandon=False):
+    """The first half of a step barrier (``_xla_step_marker``'s arguments).
+
+    ``commits=False``: a flush that leaves the marks as they are.
+    ``abandon=True``: the sync that ends a step block whose body raised: its
+    marks are committed and abandoned (STEP_FAILED).
+
+    Never raises from the plugin's own checks: the user's step must run.  A
+    check that cannot decide drops the step's marks (values kept) with a
+    ``DroppedDonationWarning`` given after the barrier.
+    """
+    lock.acquire()
+    try:
+        fast_path.refresh()
+        if not commits:
+            return _FLUSH
+        here = _devices.barrier_device(device)
+        # No verdict of an earlier step before the real barrier: it may still
+        # be dispatching, and a buffer reads as deleted while XLA holds it for
+        # a donation it may yet give back (see verdicts.py).
+        step, tensors, records = _devices.begin_step_on(here)
+        notices = Notices()
+        try:
+            donors = decide(tensors, records, notices, abandon=abandon)
+        except Exception as error:  # the plugin's own check failed, not the step
+            donors = undecided(tensors, records, error, notices)
+        del tensors, records  # from here on only the entries refer to them
+        return _Commit(here, step, donors, wait, notices)
+    except BaseException:
+        lock.release()
+        raise
+
+
+def decide(tensors, records, notices, abandon=False) -> list:
+    """The donors of a committed step, armed: ``split``, then the switches,
+    then ``arm``."""
+    donors = split(tensors, records, notices)
+    if donors and not config.enabled():
+        verdicts.abandon(donors, C.Verdict.DISABLED)  # switched off after marking
+        return []
+    if donors and abandon:
+        verdicts.abandon(donors, C.Verdict.STEP_FAILED)
+        return []
+    return arm(donors, notices)
+
+
+def undecided(tensors, records, error, notices) -> list:
+    """A check of the commit raised: no flag stays armed, every mark of the
+    step not settled yet is dropped (DROPPED, value kept), and the warning
+    says why.  Returns no donor."""
+    for t in tensors:
+        try:
+            xla.set_donor(t, False)
+        except Exception:
+            pass  # not an XLA tensor: nothing was armed on it
+    dropped = [r for r in records if r.verdict == C.Verdict.IN_FLIGHT]
+    for record in dropped:
+        C.settle(record, C.Verdict.DROPPED)
+    if dropped:
+        notices.add(
+            DroppedDonationWarning,
+            "Donations dropped before a step{at_step}: {items}. torch_xla_donate could not "
+            f"decide whether they could be donated ({type(error).__name__}: {error}); the "
+            "step ran without them and these tensors keep their values. Please report "
+            "this with the message.",
+            dropped,
+        )
+    return []
+
+
+def barrier_after(token, result, error):
+    """The second half of a step barrier: see the module docstring.  The
+    warnings held back are given last, once the lock is released."""
+    try:
+        if token is _FLUSH:
+            return result
+        if error is not None:
+            C.disarm(token.donors)
+            failures.note_failure()
+            verdicts.failed(token.donors)
+            return result
+        _devices.note_barrier(token.device)
+        _devices.dispatched(token.device, token.step if token.wait else token.step - 1)
+        finish(token.device, token.donors, token.notices, certain=token.wait)
+        return result
+    finally:
+        lock.release()
+        if token is not _FLUSH and token.notices:
+            token.notices.deliver(quietly=sys.exc_info()[1] is not None)
+
+
+def finish(device, donors, notices, certain: bool) -> None:
+    """The end of every commit (a step barrier's, a compiled call's), once
+    the execution's donor set is fixed: clear the flags, poison the donors
+    the user still holds and their companions, leave the verdicts in flight.
+
+    A donor nothing but its entry refers to is skipped: no code can put it
+    into another graph, and its buffer goes with it (hot_path.cpp).  A donor
+    that cannot be poisoned does not stop the others: a ``TypeError`` naming
+    its class is held in ``notices`` and raised once the commit is whole
+    (the step's results are intact; operators on the tensor still raise
+    ``DonatedBufferError``, which the tensor torch_xla computes with carries).
+    """
+    failed = C.disarm_and_poison(donors)
+    if failed:
+        notices.fail(_unpoisoned_error(failed))
+    if ownership.companions_by_record:
+        ownership.poison_companions([record.id for _, record in donors])
+    verdicts.after_commit(device, donors, certain=certain)
+
+
+def _unpoisoned_error(failed) -> TypeError:
+    (t, record), message = failed[0]
+    more = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
+    return TypeError(
+        f"torch_xla_donate could not mark the donated {type(t).__qualname__} "
+        f"{record.shape_string}{more} as donated after step {record.step} ({message}). The "
+        f"step ran and its results are intact, and operators on the tensor still raise "
+        f"DonatedBufferError, but Python code that only looks at the object will not be "
+        f"told. Do not change the class of a tensor between donating it and the step."
+    )
+
+
+def split(tensors, records, notices) -> list:
+    """Splits committed marks: returns the ``(tensor, record)`` entries that
+    stay donors, settling the others (updated in place, holders alive)."""
+    if not tensors:
+        return []
+    try:
+        pending = xla.has_pending_ir(tensors)
+    except Exception:
+        # Only junk put straight into the ledger (``C.mark(obj, ...)`` with
+        # something that is no XLA tensor) gets here: cancel it and go on, so
+        # that the step runs and the real marks stay consistent.
+        tensors, records = _cancel_junk(tensors, records)
+        pending = xla.has_pending_ir(tensors) if tensors else []
+    # Natively, per tensor: pending (updated in place after marking: an
+    # output, keep it) -> UPDATED_IN_PLACE; a view, alias or autograd graph
+    # holding it -> ``held``, for ownership.py; else a donor.
+    donors, held = C.split_committed(tensors, records, pending)
+    if held:
+        donors += ownership.judge_at_commit(held, notices)
+    # Buffers torch_xla shares between distinct tensors (sharing.py).
+    return sharing.screen(donors, notices)
+
+
+def arm(donors, notices) -> list:
+    """Sets the donor flag on the buffer each donor holds now; returns the
+    armed entries.  One torch_xla refuses (no plain device data: its value
+    is a view or pending after all) is dropped."""
+    if not donors:
+        return donors
+    armed, refused = C.arm(donors)
+    if refused:
+        ownership.drop(refused, "torch_xla refused them as donors: their values are not "
+                                "plain device data (a view, or a copy that has not run)",
+                       notices)
+    return armed
+
+
+def _cancel_junk(tensors, records):
+    """Settles DROPPED the committed entries that are not XLA tensors;
+    returns the others."""
+    keep_t, keep_r = [], []
+    for t, record in zip(tensors, records):
+        if xla.is_xla_tensor(t):
+            keep_t.append(t)
+            keep_r.append(record)
+        else:
+            C.settle(record, C.Verdict.DROPPED)
+    return keep_t, keep_r
+
+
+# -- Executions that commit nothing ----------------------------------------
+#
+# ``_xla_sync_multi`` (``xm.unlazy``, ``xm.save``, ``gradient_accumulation``,
+# the dynamo bridge's input sync) and ``_xla_sync_live_tensors`` run part of
+# the pending work.  They honour torch_xla's donor flags, but a mark is never
+# armed outside a commit, so they take nothing; they only wait for a commit
+# another thread has in progress on the same device, whose flags are armed.
+# (With one device per thread, ``torch_xla.launch``, they need not wait.)
+
+
+def flush_before(*args, **kwargs):
+    if xla.local_device_count() > 1:
+        return C.PASS
+    lock.acquire()
+    return _FLUSH
+
+
+def flush_after(token, result, error):
+    lock.release()
+    return result

@@ -1,0 +1,291 @@
+"""torch.compile(backend="openxla"): a marked input of a compiled call is
+donated by that call's graph.
+
+    step = torch.compile(update, backend="openxla")
+    for batch in loader:
+        tdx.donate(params)                 # or tdx.donating(step, donate_argnums=0)
+        params = step(params, batch)       # the compiled graph reuses the buffers
+        torch_xla.sync()
+
+torch_xla's dynamo bridge bakes the donor set into the XLA executable when
+it extracts the graph (its first call), from the donor flags set at that
+moment, and every later call runs that executable as it is.  So here each
+compiled graph keeps one executable per *donation pattern* (which of its
+arguments are donated):
+
+* a call commits the marks of its own arguments (the other marks wait for
+  their own execution), like a step barrier commits its device's marks:
+  checked (commit.py), poisoned after the call, verdicts in flight
+  (verdicts.py);
+* the first call with a pattern extracts the graph from a pristine copy of
+  the FX graph with those arguments' flags armed around the bridge's hash and
+  warm-up, and disarmed right after (so nothing else can take them); later
+  calls with the pattern run its executable, with no flag set.  A call
+  without marks runs the plain executable: nothing unmarked is ever donated;
+* ``torch.ops.xla.dynamo_set_buffer_donor_(t, True)`` in the compiled
+  function (torch_xla's own way; also what ``donate_buffer``, ``donate`` and
+  ``donating`` emit when dynamo traces them, so they cause no graph break)
+  donates its argument on every call of the graph: such a donation is
+  marked at the call, poisoned and reported like any other;
+* the bridge's own syncs (before tracing, for pending inputs) commit
+  nothing (executions.py);
+* an argument whose gradient autograd will need (``requires_grad``) is not
+  donated by a compiled forward graph: its mark waits for the next step
+  barrier, after backward.
+
+A graph break splits a compiled function into several graphs.  A marked
+tensor is donated by the first graph that takes it; a later graph reading it
+raises ``DonatedBufferError``.  Mark after the break, or inside the compiled
+function next to the last use.
+"""
+import contextlib
+import copy
+import threading
+
+
+from . import commit, executions
+from .._base import xla, xla_cpu
+from .._outcomes import failures, poison, verdicts
+from .._base.dtypes import xla_dtype_name
+from .._base.native import C, Via
+from .._base.lock import lock
+from .._base.messages import Notices
+from .._base.sites import user_site
+
+__all__ = ["install", "uninstall", "installed", "TRAMPOLINES"]
+
+_BRIDGES = ("torch_xla.core.dynamo_bridge", "torch_xla._dynamo.dynamo_bridge")
+
+_local = threading.local()
+# On a thread inside a compiled call:
+#   arming: the tensors whose flags an extraction arms (its donation pattern)
+#   static: the tensors graph ops donated during this extraction
+#   armed:  what is armed right now (between the bridge's hash and warm-up)
+
+
+# -- The compiled graph ---------------------------------------------------------
+
+class _CompiledGraph:
+    """Stands in for what ``extract_compiled_graph`` returns: one executable
+    per donation pattern of this graph."""
+
+    def __init__(self, model, extract):
+        self._pristine = copy.deepcopy(model)  # extraction rewrites its model
+        self._model = model
+        self._extract = extract
+        self._variants = {}  # frozenset of argument indices -> compiled callable
+        self._static = None  # argument indices the graph's own ops donate
+
+    def __call__(self, *args):
+        poison.refuse_consumed(args)
+        candidates = [i for i, a in enumerate(args) if xla.is_xla_tensor(a)
+                      and C.is_marked(a) and not a.requires_grad]
+        if self._static is None:  # the first call: learn the graph's own donors
+            self._variant(frozenset(candidates), args)
+        notices = Notices()
+        step, donors = self._commit(args, candidates, notices)
+        donated = {id(t) for t, _ in donors}
+        pattern = frozenset(i for i, a in enumerate(args) if id(a) in donated) - self._static
+        fn = self._variants.get(pattern) or self._variant(pattern, args)
+        try:
+            with _arming([args[i] for i in pattern]):
+                result = fn(*args)
+        except BaseException:
+            failures.note_failure()
+            verdicts.failed(donors)
+            notices.deliver(quietly=True)
+            raise
+        if donors:
+            with lock:
+                commit.finish(donors[0][0].device, donors, notices, certain=False)
+        notices.deliver()
+        return result
+
+    def _commit(self, args, candidates, notices):
+        """Commits the marks of the call's arguments (and the graph's own
+        donations): (step, donor entries).  Never raises from the plugin's
+        own checks (see commit.barrier_before)."""
+        static = [args[i] for i in self._static if xla.is_xla_tensor(args[i])]
+        with lock:
+            if static:
+                xla_cpu.warn_if_unprotected()
+                file, line = user_site()
+                for t in static:
+                    if not C.is_marked(t):
+                        C.mark(t, file, line, tuple(t.shape), xla_dtype_name(t.dtype),
+                               t.nbytes, Via.GRAPH_OP)
+            tensors = [args[i] for i in candidates] + [t for t in static
+                                                       if all(t is not args[i] for i in candidates)]
+            if not tensors:
+                return None, []
+            step, tensors, records = C.begin_step(tensors)
+            try:
+                return step, commit.split(tensors, records, notices)
+            except Exception as error:  # the plugin's own check, not the call
+                return step, commit.undecided(tensors, records, error, notices)
+
+    def _variant(self, pattern, args):
+        """Extracts the graph with the flags of ``pattern``'s arguments armed
+        (and those its own ops donate); returns the compiled callable."""
+        model = self._model if not self._variants else copy.deepcopy(self._pristine)
+        self._model = None
+        _local.static = []
+        try:
+            with _arming([args[i] for i in pattern]), _capturing_graph_ops():
+                fn = self._extract(model, args)
+            static = _local.static
+        finally:
+            _local.static = None
+        if self._static is None:
+            # A graph op sees the tensor torch_xla computes with (the one a
+            # functional argument wraps): match arguments by TensorImpl.
+            impls = {t._cdata for t in static}
+            self._static = frozenset(i for i, a in enumerate(args) if xla.is_xla_tensor(a)
+                                     and poison.inner(a)._cdata in impls)
+        self._variants[pattern - self._static] = fn
+        return fn
+
+
+class _arming:
+    """``with _arming(tensors):`` the calling thread is in a compiled call
+    whose extractions donate ``tensors``; its barriers commit nothing."""
+
+    def __init__(self, tensors):
+        self._tensors = tensors
+
+    def __enter__(self):
+        self._saved = getattr(_local, "arming", None)
+        _local.arming = self._tensors
+        self._context = executions.context(executions.COMPILED_CALL).__enter__()
+
+    def __exit__(self, *exc_info):
+        self._context.__exit__(*exc_info)
+        _local.arming = self._saved
+        _disarm()  # an extraction that failed between hash and warm-up
+
+
+# -- Arming around the bridge's hash and warm-up ----------------------------------
+#
+# Inside ``with alias_with_buffer_donor_config():`` the bridge calls
+# ``_get_graph_hash`` and then ``_xla_warm_up_cache``: the executable gets the
+# donor set of the flags set in between.  The lock is held from one to the
+# other, so no other execution runs while the flags are armed.
+
+def _hash_before(*args, **kwargs):
+    arming = getattr(_local, "arming", None)
+    if arming is None or getattr(_local, "armed", None) is not None:
+        return C.PASS
+    lock.acquire()
+    tensors = list(arming) + list(getattr(_local, "static", None) or ())
+    _local.armed = [t for t in tensors if xla.set_donor(t, True)]
+    return None
+
+
+def _hash_after(token, result, error):
+    if error is not None:
+        _disarm()
+    return result
+
+
+def _warm_before(*args, **kwargs):
+    return C.PASS if getattr(_local, "armed", None) is None else None
+
+
+def _warm_after(token, result, error):
+    _disarm()
+    return result
+
+
+def _disarm() -> None:
+    armed = getattr(_local, "armed", None)
+    if armed is None:
+        return
+    _local.armed = None
+    try:
+        for t in armed:
+            xla.set_donor(t, False)
+    finally:
+        lock.release()
+
+
+def _set_buffer_donation(t, should_donate):
+    """torch_xla's ``_set_buffer_donation``, except for a graph op's call
+    during an extraction on this thread: that is the graph's own donation,
+    armed with the others around the warm-up."""
+    static = getattr(_local, "static", None)
+    if static is not None and should_donate:
+        static.append(t)
+        return True
+    return xla.set_donor(t, should_donate)
+
+
+_capture_lock = threading.Lock()
+_capture_depth = 0
+
+
+@contextlib.contextmanager
+def _capturing_graph_ops():
+    """``_XLAC._set_buffer_donation`` is ours while an extraction runs (the
+    graph op looks it up at each call); torch_xla's own the rest of the time,
+    so that code calling it directly pays nothing for the plugin."""
+    global _capture_depth
+    with _capture_lock:
+        if _capture_depth == 0:
+            xla._XLAC._set_buffer_donation = _set_buffer_donation
+        _capture_depth += 1
+    try:
+        yield
+    finally:
+        with _capture_lock:
+            _capture_depth -= 1
+            if _capture_depth == 0:
+                xla._XLAC._set_buffer_donation = xla.real("_set_buffer_donation")
+
+
+TRAMPOLINES = (
+    ("_get_graph_hash", _hash_before, _hash_after),
+    ("_xla_warm_up_cache", _warm_before, _warm_after),
+)
+
+
+# -- Installing -------------------------------------------------------------------
+
+_patched = []  # (module, name, original)
+
+
+def _extract_compiled_graph(model, args):
+    return _CompiledGraph(model, _original_extract)
+
+
+_original_extract = None
+
+
+def install() -> None:
+    global _original_extract
+    if _patched:
+        return
+    import importlib
+
+    for name in _BRIDGES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        original = getattr(module, "extract_compiled_graph", None)
+        if original is None or original is _extract_compiled_graph:
+            continue
+        _original_extract = _original_extract or original
+        module.extract_compiled_graph = _extract_compiled_graph
+        _patched.append((module, "extract_compiled_graph", original))
+
+
+def uninstall() -> None:
+    global _original_extract
+    while _patched:
+        module, name, original = _patched.pop()
+        setattr(module, name, original)
+    _original_extract = None
+
+
+def installed() -> bool:
+    return bool(_patched)

@@ -1,0 +1,50 @@
+"""Installing the hooks into torch_xla, and taking them out.
+
+``install`` runs when ``torch_xla_donate`` is imported: the native
+trampolines in place of torch_xla's step barrier and syncs
+(executions.py), the dynamo bridge's graph extraction (dynamo.py),
+TorchScript's call translation (torchscript.py) and the guard of
+``gradient_accumulation`` (gradient_accumulation.py).  ``uninstall`` takes
+them out and cancels every mark: without the hooks nothing would commit
+them, and nothing may be left for torch_xla to find.
+
+>>> import torch_xla_donate
+>>> installed()
+True
+"""
+from .._base import config, fast_path
+from .._base.lock import lock
+from .._base.native import C
+from . import dynamo, executions, gradient_accumulation, torchscript
+
+__all__ = ["install", "uninstall", "installed"]
+
+
+def install() -> None:
+    """Routes torch_xla's executions through the plugin (idempotent)."""
+    with lock:
+        executions.install(extra=dynamo.TRAMPOLINES)
+        dynamo.install()
+        torchscript.install()
+        gradient_accumulation.install()
+        if fast_path.refresh not in config.changed_listeners:
+            config.changed_listeners.append(fast_path.refresh)
+        fast_path.refresh()
+
+
+def uninstall() -> None:
+    """Takes the hooks out and cancels every mark: without the hooks nothing
+    would commit them, and nothing may be left for torch_xla to find."""
+    with lock:
+        for t in C.marked_tensors():
+            C.unmark(t)
+        gradient_accumulation.uninstall()
+        torchscript.uninstall()
+        dynamo.uninstall()
+        executions.uninstall()
+        C.set_fast_path_enabled(False)
+
+
+def installed() -> bool:
+    """True while the hooks are in place."""
+    return executions.installed()

@@ -1,0 +1,89 @@
+"""The public calls about one tensor: ``donate_buffer``, ``is_donated``,
+``is_deleted``.
+
+Example (``PJRT_DEVICE=CPU python this_file.py``)::
+
+    import torch, torch_xla, torch_xla.core.xla_model as xm
+    import torch_xla_donate as tdx
+
+    params = torch.randn(1024, 1024, device=torch_xla.device())
+    grads = torch.randn(1024, 1024, device=torch_xla.device())
+    xm.mark_step()                       # materialize: only device data donates
+
+    old = params
+    tdx.donate_buffer(params)            # the old params are never read again
+    params = params - 0.1 * grads        # functional update
+    xm.mark_step()                       # new params live in the old buffer
+    tdx.is_deleted(old)                  # True; old.sum() raises DonatedBufferError
+"""
+import sys
+
+import torch
+
+from .._base import xla
+from .._base.native import C
+from .._outcomes import poison
+from . import graph_ops
+from .checks import SCALARS, check_tensor, describe
+from .marks import mark_checked
+
+__all__ = ["donate_buffer", "is_donated", "is_deleted"]
+
+
+def donate_buffer(tensor: torch.Tensor) -> None:
+    """Donates ``tensor``'s device buffer to the outputs of the next step.
+
+    At the next step barrier the buffer may hold one of the step's outputs;
+    ``tensor`` is then poisoned and any use raises ``DonatedBufferError``.
+    If no output can take the buffer, the tensor keeps its value and an
+    ``UnusedDonationWarning`` says so.  Marking twice before a step counts once.
+
+    Args:
+      tensor: a materialized XLA tensor of at least one dimension.
+
+    Raises:
+      TypeError: ``tensor`` is not a torch.Tensor (or cannot be poisoned).
+      ValueError: it is not on an XLA device, has pending computation (call
+        ``xm.mark_step()`` first), is a view or has live views/aliases, is
+        saved for backward by a live autograd graph, or is a 0-dim scalar.
+      DonatedBufferError: it was donated already.
+    """
+    if torch.compiler.is_compiling():  # dynamo traces this: a graph op, no break
+        return graph_ops.donate_in_graph([tensor])
+    # The common case is one native call (checks and ledger entry; the "1"
+    # blames our caller's line): a plain tensor or parameter passing every
+    # check, 0-dim and autograd ones included, while donation is on and no
+    # commit is running (see _base/lock.py).  Anything unusual goes through
+    # ``mark_checked``, which raises or warns precisely.
+    if C.try_mark(tensor, 1):
+        return
+    check_tensor("donate_buffer", tensor)
+    torch._check_value(
+        tensor.dim() > 0 or not xla.is_xla(tensor) or poison.is_poisoned(tensor),
+        lambda: f"donate_buffer: {describe(tensor)} is 0-dimensional. {SCALARS}",
+    )
+    frame = sys._getframe(1)
+    mark_checked(tensor, (frame.f_code.co_filename, frame.f_lineno))
+
+
+def is_donated(tensor: torch.Tensor) -> bool:
+    """True while ``tensor`` is marked and waiting for the next step.
+
+    Raises:
+      TypeError: ``tensor`` is not a torch.Tensor.
+    """
+    check_tensor("is_donated", tensor, None)
+    return C.is_marked(tensor)
+
+
+def is_deleted(tensor: torch.Tensor) -> bool:
+    """True if a step consumed ``tensor``'s buffer through donation.
+
+    May wait for the device: right after ``sync(wait=False)`` whether XLA
+    took the buffer is not known until the step has been dispatched.
+
+    Raises:
+      TypeError: ``tensor`` is not a torch.Tensor.
+    """
+    check_tensor("is_deleted", tensor, None)
+    return poison.consumed(tensor)

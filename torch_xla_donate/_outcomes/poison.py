@@ -1,0 +1,340 @@
+"""Poisoning: turning a donated tensor into one that refuses every use.
+
+After a step consumed a tensor's buffer, torch_xla still lets Python touch the
+tensor and fails much later with a message about async operations or deleted
+buffers.  A poisoned tensor instead raises ``DonatedBufferError`` right at the
+line that touched it, naming what was donated, by which call, where and at
+which step::
+
+    >>> old = params; tdx.donate_buffer(params)          # doctest: +SKIP
+    >>> params = params - lr * grads; torch_xla.sync()   # doctest: +SKIP
+    >>> old + 1                                          # doctest: +SKIP
+    DonatedBufferError: This tensor (f32[4096,4096], 67108864 bytes) was ...
+
+How: every operator reaches torch_xla's tensor through c10's dispatcher.
+Poisoning turns on c10's Python dispatch key of that tensor (for torch_xla's
+default functional tensors, the XLA tensor the functional wrapper holds) and
+gives its Python object a class whose ``__torch_dispatch__`` raises.  So the
+error comes from the dispatcher itself, whoever calls the operator: Python
+code, ``torch.func.vmap``/``grad``, ``torch.jit.trace``, autograd's backward,
+``Tensor.set_``, ``Tensor._make_subclass``.  The tensor the user holds also
+takes a twin of its class (``nn.Parameter`` stays a Parameter, a user
+subclass keeps its methods) whose ``repr`` says plainly that it was donated.
+Metadata (shape, dtype, device, ``requires_grad``) stays readable: it is no
+operator.  Code that hands the tensor straight to torch_xla's C++
+(``torch_xla._XLAC.*``) is not seen and gets torch_xla's own error.
+
+A poisoned tensor is in one of two states:
+
+* *in flight*: the step was dispatched asynchronously and it is not yet known
+  whether XLA took the buffer.  The first use settles the verdict (waiting for
+  the device if need be): a tensor whose donation went unused gets its class
+  and dispatch key back and the operator simply runs.
+* *consumed*: the buffer now holds a step output; every use raises, except
+  a refill: ``t.copy_(s)`` writes every element and reads none, so the
+  tensor takes ``s``'s value and is live again (``load_state_dict`` into a
+  module whose parameters were donated, torch.compile writing back an input
+  its graph changed in place).
+"""
+import torch
+
+from .._base.dtypes import shape_string
+from .._base.errors import DonatedBufferError
+from .._base.native import C
+
+__all__ = ["poison", "unpoison", "is_poisoned", "donation_record", "donated_error",
+           "check_poisonable", "consumed", "settled_consumed", "first_consumed",
+           "refuse_consumed", "donated_in", "inner", "set_settler"]
+
+# Settles an in-flight tensor's verdict before a use goes on: verdicts.py's
+# settle_one, which imports this module, so _outcomes/__init__.py hands it
+# over (set_settler) once both are loaded.
+_settle = None
+
+
+def set_settler(settle_one) -> None:
+    """Gives poisoning the function that settles one in-flight verdict
+    (``settle_one(tensor, record)``), called before a use of such a tensor
+    is let through or refused."""
+    global _settle
+    _settle = settle_one
+
+
+class _DonatedTensor:
+    """Mixin placed in front of the tensor's own class while it is donated."""
+
+    __slots__ = ()
+
+    # The dispatcher is the one check path; Python-level calls reach it too.
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __repr__(self):
+        if not settled_consumed(self):
+            return repr(self)  # unused after all: the class is restored
+        record = donation_record(self)
+        fate = (f"was lost when step {record.step} failed"
+                if record.verdict == C.Verdict.LOST else f"was reused by step {record.step}")
+        return (
+            f"<donated XLA tensor {record.shape_string}: its buffer {fate} "
+            f"({record.via} at {record.where}); it has no value>"
+        )
+
+    __str__ = __repr__
+
+
+class _RefusesOperators(_DonatedTensor):
+    """The class of the tensor that carries the dispatch key: the one
+    torch_xla computes with.  Kept off the wrapper the user holds, so that
+    dynamo sees that one as a plain tensor and never traces this."""
+
+    __slots__ = ()
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _PROPAGATE_XLA_DATA:  # metadata only: no value is read
+            with torch._C._ExcludeDispatchKeyGuard(_PYTHON_KEYS):
+                return func(*args, **kwargs)
+        donated = donated_in(args, kwargs)
+        # A refill writes into its first argument; a donated tensor anywhere
+        # else in the call (``t.copy_(t)`` too) is read.
+        refill = func in _REFILLS and sum(x is args[0] for x in donated) == 1
+        for t in donated:
+            if settled_consumed(t) and not (refill and t is args[0]):
+                raise donated_error(t)
+        if refill and is_poisoned(args[0]):
+            # Its value is now the source's (torch_xla's ``copy`` writes into
+            # its first argument and returns it, as ``copy_`` does).
+            unpoison(args[0])
+        # Every donated argument turned out unused and lost its poison.
+        return func(*args, **kwargs)
+
+
+# Operators that overwrite every element of their first argument without
+# reading it: a consumed tensor may be refilled by them (``t.copy_(s)``, as
+# ``load_state_dict`` and torch.compile's write-back of a mutated input do).
+# ``copy`` is what functionalization makes of ``copy_``.  The user's tensor
+# (the functional wrapper) loses its poison at its next look, once the
+# tensor torch_xla computes with has lost its own (``donation_record``).
+_REFILLS = (torch.ops.aten.copy.default, torch.ops.aten.copy_.default)
+# After an in-place update torch_xla's functionalization hands the new value
+# the old one's alias id (for its input/output aliasing): metadata only.
+_PROPAGATE_XLA_DATA = torch.ops.aten._propagate_xla_data.default
+_PYTHON_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.Python) | torch._C.DispatchKeySet(
+    torch._C.DispatchKey.PythonTLSSnapshot)
+
+
+_poison_classes = {}
+
+
+def _poison_class_for(cls: type, refuses_operators: bool = False) -> type:
+    """The donated twin of ``cls``: ``nn.Parameter`` stays a Parameter, a user
+    subclass keeps its methods (only tensor operators are refused)."""
+    key = (cls, refuses_operators)
+    poisoned = _poison_classes.get(key)
+    if poisoned is None:
+        mixin = _RefusesOperators if refuses_operators else _DonatedTensor
+        poisoned = type(f"Donated{cls.__name__}", (mixin, cls), {"_original_class": cls})
+        _poison_classes[key] = poisoned
+    return poisoned
+
+
+def _dispatch_class_for(cls: type) -> type:
+    return _poison_class_for(cls, True)
+
+
+def inner(t):
+    """The tensor torch_xla computes with: the XLA tensor a functional
+    wrapper holds (torch_xla's default), else ``t`` itself.
+
+    >>> inner(torch.ones(1)).shape
+    torch.Size([1])
+    """
+    return torch._from_functional_tensor(t) if torch._is_functional_tensor(t) else t
+
+
+def poison(t: torch.Tensor, record, note: str = "") -> None:
+    """Makes ``t`` refuse use; ``record`` is its ledger entry (in flight or
+    consumed), ``note`` says how ``t`` lost its buffer when it was not the
+    donated tensor itself (ownership.py's companions).
+
+    The record rides on the TensorImpls (csrc/record_tag.h), not in
+    ``t.__dict__``: a dict per donated tensor and step would double the
+    garbage collector's work in a training loop.  The step hook poisons a
+    whole step's donors in one native call (``C.disarm_and_poison``), which does
+    the same as this, tensor by tensor.
+    """
+    core = inner(t)
+    # The tensor torch_xla computes with first: once it refuses operators,
+    # the value is safe whatever happens to the wrapper.
+    for x in reversed(_both(t, core)):
+        C.tag_record(x, record, note)
+        if not isinstance(x, _DonatedTensor):
+            _set_class(x, _poison_class_for(type(x), refuses_operators=x is core))
+        if x is core:
+            C.set_python_dispatch(core, True)
+
+
+def unpoison(t: torch.Tensor) -> None:
+    """Gives ``t`` back its class and dispatch key: its donation went unused."""
+    core = inner(t)
+    C.set_python_dispatch(core, False)
+    for x in _both(t, core):
+        if isinstance(x, _DonatedTensor):
+            _set_class(x, type(x)._original_class)
+        C.untag_record(x)
+
+
+def _set_class(t, cls) -> None:
+    """``t.__class__ = cls``, past a ``__setattr__`` the tensor's own class
+    may define (a subclass guarding its attributes must not make a step
+    fail half-way through poisoning)."""
+    object.__setattr__(t, "__class__", cls)
+
+
+def check_poisonable(t) -> None:
+    """Raises TypeError unless ``t``'s class can take its donated twin, which
+    poisoning gives it after the step (tried on ``t`` and undone).
+
+    The tricky case: a tensor subclass whose instances cannot change class
+    (``__slots__`` the twin cannot share, a metaclass that forbids it).
+    Found at marking, the donation is refused and nothing is lost; found
+    after the step, its value would be gone with no way to say so at the
+    use site.
+
+    >>> check_poisonable(torch.ones(1))
+    """
+    cls = type(t)
+    if cls in (torch.Tensor, torch.nn.Parameter) or isinstance(t, _DonatedTensor):
+        return
+    twin = _poison_class_for(cls)
+    try:
+        _set_class(t, twin)
+    except (TypeError, AttributeError) as error:
+        raise TypeError(
+            f"cannot donate a {cls.__qualname__}: after the step torch_xla_donate marks a "
+            f"consumed tensor by giving it a twin of its class, and {cls.__qualname__} "
+            f"refuses that ({error}). Donate a plain tensor with the same value instead "
+            f"(torch.Tensor._make_subclass(torch.Tensor, t) shares its buffer), or give "
+            f"{cls.__qualname__} a layout its subclasses can share (no __slots__)."
+        ) from None
+    _set_class(t, cls)
+
+
+def _both(t, core=None):
+    core = inner(t) if core is None else core
+    return (t,) if core is t else (t, core)
+
+
+def is_poisoned(t) -> bool:
+    return isinstance(t, _DonatedTensor)
+
+
+def donation_record(t):
+    """The ledger record of a poisoned tensor, or None.
+
+    Read from the tensor torch_xla sees: ``t.set_(s)`` and ``t.data = s``
+    give a donated tensor a new value (and a new inner tensor), and with it
+    the tensor is no longer donated.
+    """
+    if not isinstance(t, torch.Tensor):
+        return None
+    core = inner(t)
+    record = C.tagged_record(core)
+    if record is None and core is not t and C.tagged_record(t) is not None:
+        return None  # a new value: the wrapper's tag is stale
+    return record
+
+
+def consumed(t) -> bool:
+    """True if ``t`` is poisoned and a step consumed (or lost) its buffer;
+    settles an open verdict first (it may wait for the device).
+
+    >>> consumed(torch.ones(1))
+    False
+    """
+    return is_poisoned(t) and settled_consumed(t)
+
+
+def first_consumed(*trees):
+    """The first consumed tensor among the tensors of ``trees`` (lists,
+    tuples and dicts are looked into), or None."""
+    for t in donated_in(trees, {}):
+        if settled_consumed(t):
+            return t
+    return None
+
+
+def refuse_consumed(*trees) -> None:
+    """Raises the ``DonatedBufferError`` of the first consumed tensor among
+    ``trees``: the one check every entry point that takes tensors runs
+    (marking, a compiled call, ``gradient_accumulation``)."""
+    t = first_consumed(*trees)
+    if t is not None:
+        raise donated_error(t)
+
+
+def settled_consumed(t) -> bool:
+    """Settles an in-flight tensor if needed; True if its buffer is gone.
+
+    A tensor whose donation turned out unused loses its poison here, if it
+    still has it: a use through the tensor torch_xla sees (the functional
+    wrapper's inner tensor) settles the record, and the wrapper the user
+    holds follows at its next look.
+    """
+    record = donation_record(t)
+    if record is not None and record.verdict == C.Verdict.IN_FLIGHT:
+        _settle(t, record)
+        record = donation_record(t)
+    if record is not None and record.verdict in (C.Verdict.REUSED, C.Verdict.LOST):
+        return True
+    if is_poisoned(t):
+        unpoison(t)
+    return False
+
+
+def donated_error(t) -> DonatedBufferError:
+    record = donation_record(t)
+    note = C.tagged_note(inner(t))
+    if note:  # a companion: taken down with another tensor's donation
+        return DonatedBufferError(
+            f"This tensor ({shape_string(t)}) lost its buffer with a donation: {note}. "
+            f"{record.via} at {record.where} donated that buffer ({record.shape_string}) "
+            f"and step {record.step} reused it for an output, so this value is gone "
+            f"too. Use the step's results instead (for a module, load them into it), "
+            f"or donate a copy that shares nothing with it."
+        )
+    if record.verdict == C.Verdict.LOST:
+        return DonatedBufferError(
+            f"This tensor ({record.shape_string}, {record.nbytes} bytes) was donated by "
+            f"{record.via} at {record.where}; step {record.step} failed, and torch_xla "
+            f"lost the donated buffer with it (torch_xla 2.7 does when a step fails to "
+            f"compile), so its value is gone. Recompute or reload it."
+        )
+    return DonatedBufferError(
+        f"This tensor ({record.shape_string}, {record.nbytes} bytes) was donated by "
+        f"{record.via} at {record.where}, and step {record.step} reused its "
+        f"buffer for an output, so its value is gone. Use the step's result instead, "
+        f"or, if you still need this tensor, do not donate it (undonate(t) cancels a "
+        f"mark before the step)."
+    )
+
+
+def donated_in(args, kwargs):
+    """The poisoned tensors among an operator's arguments, also inside lists
+    (``torch.stack([a, t])``) and dicts."""
+    found = []
+    stack = [args, kwargs]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, _DonatedTensor):
+            found.append(item)
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+    return found
+
+
+C.bind(donated_type=_DonatedTensor, poison_class_for=_poison_class_for,
+        dispatch_class_for=_dispatch_class_for, inner_of=inner)

@@ -1,0 +1,194 @@
+"""Verdicts: what became of each committed donation.
+
+Whether XLA really took a buffer is visible only once the execution has been
+dispatched (the input's buffer is then deleted), and with
+``sync(wait=False)`` that may be a moment later.  So each donation waits *in
+flight*, poisoned: it is settled by the next barrier of its device (which
+cannot start before this step was dispatched), by the first use of the
+tensor, by ``is_deleted``, or by ``settle()``.  Nothing blocks the
+training loop.
+
+A verdict is:
+
+* REUSED: the buffer is gone; the tensor stays poisoned;
+* UNUSED: no output could take it (or it was no input of the graph): the
+  tensor gets its value back and an ``UnusedDonationWarning`` says so
+  (``UnusedDonationError`` in strict mode);
+* STEP_FAILED: the execution failed (failures.py): value kept, quietly.
+
+torch_xla's donor flag was cleared as soon as the execution had built its
+graph (commit.py), so an unused donation cannot fire at a later step.
+"""
+from . import devices, failures, ownership, poison
+from .._base import config, xla
+from .._base.native import C
+from .._base.errors import UnusedDonationError, UnusedDonationWarning
+from .._base.lock import lock
+from .._base.messages import warn_records
+
+__all__ = ["after_commit", "settle", "settle_one", "abandon", "failed", "settled_listeners",
+           "notify_settled"]
+
+# (tensor, record) C.Entry of committed donations whose verdict is not known yet.
+_in_flight = []
+
+# Called with no argument whenever verdicts may have been settled, so that a
+# step's report can be given once it is complete (report.py's per-step log).
+# Listeners must be cheap and must not raise.
+settled_listeners = []
+
+
+def notify_settled() -> None:
+    ownership.settle_companions()
+    for listener in settled_listeners:
+        listener()
+
+
+def after_commit(device, donors, certain: bool) -> None:
+    """After an execution on ``device`` committed ``donors`` (entries): its
+    earlier verdicts of that device are certain now (it could not start
+    before the previous one was dispatched); this one's are if ``certain``
+    (the execution was waited for).  Called with the lock held."""
+    global _in_flight
+    earlier, others = devices.split_by_device(_in_flight, device)
+    # Already the state to keep if settling raises (strict mode's
+    # UnusedDonationError): this execution's donors stay in flight.
+    _in_flight = others + earlier + donors
+    _in_flight = others + _settle(earlier, certain=True) + _settle(donors, certain=certain)
+    notify_settled()
+
+
+def abandon(entries, verdict) -> None:
+    """Settles committed entries that will not be donated (switched off,
+    a step block that raised before its sync): values kept, poison lifted,
+    no warning."""
+    for t, record in entries:
+        C.settle(record, verdict)
+        if poison.is_poisoned(t):
+            poison.unpoison(t)
+
+
+def failed(entries) -> None:
+    """Settles the donations of an execution that failed: STEP_FAILED, value
+    kept, quietly (the failure is the user's news) -- unless torch_xla lost
+    the buffer with the failed step (torch_xla 2.7 does when a step fails to
+    compile): then LOST, and the tensor refuses use like a consumed one."""
+    for t, record in entries:
+        if record.verdict != C.Verdict.IN_FLIGHT:
+            continue
+        if xla.buffer_deleted(t):
+            C.settle(record, C.Verdict.LOST)
+            if not poison.is_poisoned(t):
+                poison.poison(t, record)
+        else:
+            _fail(t, record)
+
+
+def _settle(entries, certain: bool) -> list:
+    """Settles in-flight donations; returns those still unknown.
+
+    Only once ``certain`` that their step was dispatched: then a deleted
+    buffer is "consumed" and a live one "unused".  Before that a buffer may
+    read as deleted while XLA holds it for a donation it gives back if the
+    step fails, so nothing is concluded.
+    """
+    if not certain:
+        return entries
+    if failures.any_failed():  # see failures.py: kept, or lost with the step
+        failed([e for e in entries if failures.in_failed_step(e[1])])
+    # Natively, per entry: skip it if a use of the tensor settled it in the
+    # meantime; REUSED if its buffer is deleted; else unused or unknown.
+    unknown, unused = C.settle_entries(entries, certain)
+    for t, record in unused:
+        _unuse(t, record)
+    if unused:
+        _warn_unused([record for _, record in unused])
+    return unknown
+
+
+def settle_one(t, record) -> None:
+    """Settles the in-flight donation ``record`` of ``t`` now, waiting for the
+    device if needed: ``t`` (or the tensor torch_xla sees behind it) is about
+    to be used."""
+    with lock:
+        if record.verdict != C.Verdict.IN_FLIGHT:
+            return
+    # Unless its step is known to be dispatched, wait, even when the buffer
+    # reads as deleted already: that may be XLA holding it for a donation
+    # that a failing step gives back.  Never wait while holding the lock (see
+    # devices.py).  A failure of the step surfaces here (failures.py): the
+    # verdict stays open and the error goes to the user's line.
+    if record.step > devices.dispatched_through(t.device):
+        xla.wait_device_ops(t.device)
+    with lock:
+        if record.verdict != C.Verdict.IN_FLIGHT:
+            return  # settled by a barrier while we waited
+        # The entry holds the tensor the user has: ``t`` may be the tensor
+        # torch_xla sees behind it, which an operator's dispatch hands us.
+        held = next((e[0] for e in _in_flight if e[1].id == record.id), t)
+        if failures.in_failed_step(record):
+            failed([(held, record)])
+        elif xla.buffer_deleted(t):
+            C.settle(record, C.Verdict.REUSED)
+        else:
+            _unuse(held, record)
+            notify_settled()
+            _warn_unused([record])
+            return
+        notify_settled()
+
+
+def settle() -> None:
+    """Settles every open verdict, waiting for the device if needed
+    (``torch_xla_donate.settle()``).
+
+    After ``torch_xla.sync(wait=False)`` a step's verdicts are known only
+    once it has been dispatched; reports and counts taken after this are
+    final.  Unused donations warn here (raise in strict mode).
+    """
+    global _in_flight
+    with lock:
+        entries, _in_flight = _in_flight, []
+    if not entries:
+        return
+    try:
+        xla.wait_device_ops()  # outside the lock: see devices.py
+    except BaseException:
+        with lock:  # a failed step surfaced: keep the verdicts open
+            _in_flight = entries + _in_flight
+        raise
+    with lock:
+        try:
+            _settle(entries, certain=True)
+        finally:
+            notify_settled()
+
+
+def in_flight_count() -> int:
+    return len(_in_flight)
+
+
+
+
+def _unuse(t, record) -> None:
+    C.settle(record, C.Verdict.UNUSED)
+    poison.unpoison(t)
+
+
+def _fail(t, record) -> None:
+    """An in-flight donation whose step failed: it keeps its value, quietly
+    (the step's error is the user's news, not an unused donation)."""
+    C.settle(record, C.Verdict.STEP_FAILED)
+    poison.unpoison(t)
+
+
+def _warn_unused(records) -> None:
+    """Tells the user which donations no output could take: a warning, or in
+    strict mode an error (raised after the ledger is consistent)."""
+    warn_records(
+        UnusedDonationError if config.strict() else UnusedDonationWarning,
+        "Some donated buffers were not usable{at_step}: {items}. No output of the "
+        "execution could take them (or they were no input of its graph); they keep "
+        "their values and are no longer marked.",
+        records,
+    )
