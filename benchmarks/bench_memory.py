@@ -10,12 +10,17 @@ state lives in the old buffers.  The torch.compile rows run the same update
 as a ``torch.compile(backend="openxla")`` function, called once per step,
 with ``tdx.donate(state)`` before each call in the donating row.
 
-Each mode runs in its own process.  After a warm-up step (compilation), the
+The decode workload (``decode_workload.py``) is an LLM decode step with a
+128 MiB KV cache, in PyTorch lazy and compiled with and without
+``tdx.donating``, and in JAX with and without ``jit(donate_argnums=...)``;
+its table goes to ``results/memory_decode.md``.
+
+Each mode runs in its own process.  After warm-up steps (compilation), the
 peak resident set size is reset (``/proc/self/clear_refs``) and the growth of
 VmHWM (``/proc/self/status``) over the resident size at that moment is
 measured across the timed steps.
 
-    python benchmarks/bench_memory.py [--steps 5] [--mib 512]
+    python benchmarks/bench_memory.py [--steps 5] [--mib 512] [--decode-steps 20] [--only update|decode]
 """
 import argparse
 import os
@@ -34,6 +39,14 @@ MODES = [
     "torch.compile + torch_xla_donate.donate",
     "JAX jit, no donation",
     "JAX jit(donate_argnums=0)",
+]
+DECODE_MODES = [
+    "torch_xla, no donation",
+    "torch_xla_donate.donating",
+    "torch.compile, no donation",
+    "torch.compile + torch_xla_donate.donating",
+    "JAX jit, no donation",
+    "JAX jit(donate_argnums=3)",
 ]
 TARGET = 0.02  # growth within 2% of the state size
 NOISE = 0.01  # what "no worse than JAX" tolerates: page-level noise
@@ -146,6 +159,70 @@ def child_jax(mode: str, count: int, total: int, steps: int) -> dict:
     return _measure(step, steps, state_bytes, lambda: float(state[0][:4].sum()))
 
 
+def child_decode(mode: str, steps: int) -> dict:
+    """The decode workload: two warm-up steps, then ``steps`` measured ones.
+    The probe is the tokens of the batch's first row."""
+    import decode_workload as D
+
+    donate = not mode.endswith("no donation")
+    w, cache = D.weights(), D.initial_cache()
+    if mode.startswith("JAX"):
+        import jax
+
+        jax.config.update("jax_platforms", "cpu")
+        import jax.numpy as jnp
+
+        w = {k: jnp.asarray(v) for k, v in w.items()}
+        cache = [tuple(jnp.asarray(t) for t in kv) for kv in cache]
+        ids, pos = jnp.zeros((D.SHAPES["batch"], 1), jnp.int32), jnp.asarray(D.START, jnp.int32)
+        fn = jax.jit(D.jax_step(), donate_argnums=(3,) if donate else ())
+        wait, first = jax.block_until_ready, lambda ids: int(ids[0, 0])
+        compiles = fn._cache_size  # executables in the jitted function's cache
+    else:
+        import torch
+        import torch_xla
+        import torch_xla.core.xla_model as xm
+        import torch_xla.debug.metrics as met
+
+        import torch_xla_donate as tdx
+
+        dev = torch_xla.device()
+        compiles = lambda: met.metric_data("CompileTime")[0]
+        w = {k: torch.from_numpy(v).to(dev) for k, v in w.items()}
+        cache = [tuple(torch.from_numpy(t).to(dev) for t in kv) for kv in cache]
+        ids = torch.zeros(D.SHAPES["batch"], 1, dtype=torch.long, device=dev)
+        pos = torch.tensor([D.START], device=dev)
+        fn = D.torch_step()
+        if mode.startswith("torch.compile"):
+            fn = torch.compile(fn, backend="openxla")
+        if donate:
+            fn = tdx.donating(fn, donate_argnums=(3,))
+
+        def wait(_):
+            torch_xla.sync()
+            xm.wait_device_ops()
+
+        first = lambda ids: int(ids.cpu()[0, 0])
+    wait((w, cache, ids, pos))
+    tokens = []
+
+    def step():
+        nonlocal ids, pos, cache
+        ids, pos, cache = fn(w, ids, pos, cache)
+        wait(cache)
+        tokens.append(ids)
+
+    step()  # compile
+    step()
+    warm = compiles()
+    result = _measure(step, steps, D.cache_bytes(), lambda: [first(t) for t in tokens])
+    result["compiles_measured"] = compiles() - warm  # (the probe only copies device data)
+    if not mode.startswith("JAX"):
+        tdx.settle()
+        result["reused"] = tdx.summary().totals.reused  # evidence that donation happened
+    return result
+
+
 def _measure(step, steps, state_bytes, probe) -> dict:
     _reset_peak()
     base = _rss()
@@ -169,15 +246,26 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--mib", type=int, default=512)
+    ap.add_argument("--decode-steps", type=int, default=20)
+    ap.add_argument("--only", choices=("update", "decode"), help="run one workload")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("rest", nargs="*", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         mode, count, total, steps = args.rest
+        if count == "decode":
+            C.emit(child_decode(mode, int(steps)))
+            return
         fn = child_jax if mode.startswith("JAX") else child_torch
         C.emit(fn(mode, int(count), int(total), int(steps)))
         return
+    if args.only != "update":
+        decode(args)
+    if args.only != "decode":
+        update(args)
 
+
+def update(args):
     machine = C.machine()
     total = args.mib * C.MiB
     results = {}
@@ -223,6 +311,53 @@ def main():
     print(md)
     C.save("memory", {"machine": machine, "results": results, "target": TARGET}, md)
     chart(results)
+
+
+def decode(args):
+    """The decode rows: their own table, results/memory_decode.{md,json}."""
+    import decode_workload as D
+
+    machine = C.machine()
+    results = {}
+    for mode in DECODE_MODES:
+        print(f"memory: decode, {mode} ...", flush=True)
+        results[mode] = C.run_child(__file__, [mode, "decode", 0, args.decode_steps], env=MALLOC_ENV)
+    machine["load_avg_1m_end"] = round(os.getloadavg()[0], 2)
+    rows = []
+    for mode in DECODE_MODES:
+        r = results[mode]
+        rows.append([mode, f"{r['state_bytes'] / C.MiB:.0f}", f"{r['growth'] / C.MiB:+.1f}",
+                     f"{100 * r['growth'] / r['state_bytes']:.1f}%", f"{r['step_s'] * 1e3:.1f}",
+                     r["compiles_measured"], r.get("reused", "")])
+    torch_tokens = {tuple(results[m]["probe"]) for m in DECODE_MODES if not m.startswith("JAX")}
+    jax_tokens = {tuple(results[m]["probe"]) for m in DECODE_MODES if m.startswith("JAX")}
+    jax_d = results["JAX jit(donate_argnums=3)"]
+    verdicts = []
+    for mode in ("torch_xla_donate.donating", "torch.compile + torch_xla_donate.donating"):
+        ours = results[mode]
+        ok = (ours["growth"] <= TARGET * ours["state_bytes"]
+              and ours["growth"] <= jax_d["growth"] + NOISE * ours["state_bytes"])
+        verdicts.append(
+            f"- {mode}: grew {ours['growth'] / C.MiB:+.1f} MiB "
+            f"({100 * ours['growth'] / ours['state_bytes']:.1f}% of the cache), JAX with donation "
+            f"{jax_d['growth'] / C.MiB:+.1f} MiB: {'target met' if ok else 'TARGET MISSED'} "
+            f"(≤ {100 * TARGET:.0f}% of the cache, and no more than JAX's + {100 * NOISE:.0f}%).")
+    verdicts.append(f"- Tokens: the PyTorch modes agree with each other: "
+                    f"{'yes' if len(torch_tokens) == 1 else 'NO'}; the JAX modes: "
+                    f"{'yes' if len(jax_tokens) == 1 else 'NO'}; PyTorch and JAX: "
+                    f"{'yes' if torch_tokens == jax_tokens else 'no (float rounding may differ)'}.")
+    s = D.SHAPES
+    text = C.table(["mode", "cache MiB", "peak RSS growth MiB", "of cache", "ms/step",
+                    "compiles while measured", "buffers reused"], rows)
+    md = (f"## Peak memory of an LLM decode step with a KV cache\n\n"
+          f"{s['layers']} layers, batch {s['batch']}, {s['heads']} heads of {s['head_dim']}, "
+          f"{s['positions']} positions, f32 (`decode_workload.py`); {args.decode_steps} measured "
+          f"steps after 2 warm-up steps, each waited for.\n\n"
+          f"Machine: {C.machine_line(machine)} (load avg at the end "
+          f"{machine['load_avg_1m_end']})\n\n{text}\n\n" + "\n".join(verdicts) + "\n")
+    print(md)
+    C.save("memory_decode", {"machine": machine, "shapes": s, "results": results,
+                             "target": TARGET}, md)
 
 
 def chart(results):
