@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "decode_kv_cache.py"
+EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "decode_kv_cache.py"
 
 # CI sizes: a 64 MiB cache (1 layer x (k, v) x f32[32, 4096, 64]), so that
 # one cache stands out of the peak memory's noise, on a model that compiles
