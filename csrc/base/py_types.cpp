@@ -54,6 +54,7 @@ PyObject* GetVerdict(PyObject* self, void*) { return VerdictObject(R(self).verdi
 PyObject* GetShapeString(PyObject* self, void*) { return Str(R(self).ShapeString()); }
 PyObject* GetWhere(PyObject* self, void*) { return Str(R(self).Where()); }
 PyObject* GetVia(PyObject* self, void*) { return PyUnicode_FromString(ViaName(R(self).via)); }
+PyObject* GetVersion(PyObject* self, void*) { return PyLong_FromLongLong(R(self).version); }
 
 PyObject* GetShape(PyObject* self, void*) {
   const auto& shape = R(self).shape;
@@ -82,6 +83,7 @@ PyGetSetDef kRecordGetters[] = {
     {"shape_string", GetShapeString, nullptr, "e.g. 'f32[4,4]'.", nullptr},
     {"where", GetWhere, nullptr, "'file:line' of the call that marked it.", nullptr},
     {"via", GetVia, nullptr, "The call that marked it: 'donate_buffer()', 'donate()', ...", nullptr},
+    {"version", GetVersion, nullptr, "The tensor's version counter when marked (-1: none).", nullptr},
     {nullptr, nullptr, nullptr, nullptr, nullptr},
 };
 

@@ -164,6 +164,11 @@ def poison(t: torch.Tensor, record, note: str = "") -> None:
     whole step's donors in one native call (``C.disarm_and_poison``), which does
     the same as this, tensor by tensor.
     """
+    if torch._is_functional_tensor(t) and not is_poisoned(t):
+        # An alias (``nn.Parameter(t)``, ``t.detach()``) may hold a stale
+        # value its functional storage regenerates at the next use: poison
+        # the current one (the native twin's torch_xla call syncs it too).
+        torch._sync(t)
     core = inner(t)
     # The tensor torch_xla computes with first: once it refuses operators,
     # the value is safe whatever happens to the wrapper.
