@@ -84,7 +84,7 @@ def run_child(script: str, args, env=None, timeout=3600) -> dict:
     proc = subprocess.run(
         cmd, env=child_env(env), capture_output=True, text=True, timeout=timeout
     )
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(
             f"child {' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"

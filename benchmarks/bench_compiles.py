@@ -126,7 +126,8 @@ def chart(results, args):
     for x, w, s in zip(xs, warm, steady):
         ax.text(x, w + s + 0.05, f"{w} + {s}", ha="center", fontsize=8)
     ax.set_xticks(list(xs))
-    ax.set_xticklabels(["no donation", "donate_buffer", "donate(list)", "donate every\nother step"], fontsize=8)
+    ax.set_xticklabels(["no donation", "donate_buffer", "donate(list)", "donate every\nother step"],
+                       fontsize=8)
     ax.set_ylabel("XLA compilations")
     ax.set_title("Graph compilations: donation does not cause recompiles")
     ax.legend(fontsize=8)

@@ -115,9 +115,9 @@ def child(n: int, rounds: int, block: int) -> dict:
         elif mode == "donate(list)":
             tdx.donate(ts)
         kept = ts if mode == "donate_buffer, kept" else None
-        c1, t1 = time.thread_time(), time.perf_counter()
+        c1 = time.thread_time()
         ts = torch._foreach_add(ts, 1.0)
-        c2, t2 = time.thread_time(), time.perf_counter()
+        c2 = time.thread_time()
         torch_xla.sync(wait=False)
         del kept  # poisoned by now; the hook frees them at the next barrier
         c3, t3 = time.thread_time(), time.perf_counter()
@@ -349,7 +349,8 @@ def chart(runs):
          "#1f77b4"),
         ("barrier: commit + alias checks", lambda d: ph(d, "begin_step", "split_committed"), "#6baed6"),
         ("barrier: arm the flags", lambda d: ph(d, "arm"), "#c6dbef"),
-        ("barrier: disarm and poison the donors still reachable", lambda d: ph(d, "disarm_and_poison"), "#9ecae1"),
+        ("barrier: disarm and poison the donors still reachable", lambda d: ph(d, "disarm_and_poison"),
+         "#9ecae1"),
         ("barrier: verdicts", lambda d: ph(d, "settle_entries"), "#c6dbef"),
         ("other (rest of hook, net of work moved out of tracing)",
          lambda d: max(0.0, other(d)), "#deebf7"),
@@ -364,7 +365,8 @@ def chart(runs):
         v = r["derived"]["added_vs_raw_us_per_tensor"]
         note = f"+{v:.1f} µs"
         if other(r["derived"]) < 0:
-            note += f"\n(parts {bottom[i]:.1f}, less {-other(r['derived']):.1f}\nof freeing moved out of tracing)"
+            note += (f"\n(parts {bottom[i]:.1f}, less {-other(r['derived']):.1f}"
+                     "\nof freeing moved out of tracing)")
         ax.text(i + w / 2, max(bottom[i], v) + 0.3, note, ha="center", fontsize=8)
     ax.set_ylim(0, max(bottom + raw + [TARGET_US]) * 1.35 + 0.5)  # room for the notes
     ax.axhline(TARGET_US, color="red", linestyle="--", linewidth=1, label=f"target: adds ≤ {TARGET_US} µs")

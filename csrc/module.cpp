@@ -19,16 +19,16 @@
 #include <utility>
 #include <vector>
 
+#include "base/ledger.h"
+#include "base/py_types.h"
+#include "base/tensor_access.h"
+#include "base/tensor_facts.h"
 #include "hooks/commit.h"
+#include "hooks/trampoline.h"
 #include "marking/marking.h"
 #include "outcomes/ownership.h"
 #include "outcomes/poison.h"
-#include "base/ledger.h"
-#include "base/py_types.h"
 #include "outcomes/record_tag.h"
-#include "base/tensor_access.h"
-#include "base/tensor_facts.h"
-#include "hooks/trampoline.h"
 
 namespace py = pybind11;
 using namespace torch_xla_donate;
@@ -50,7 +50,7 @@ uintptr_t ImplOf(py::handle t) {
 
 // Hands the hot path the torch / torch_xla / poison callables it needs.
 void Bind(py::kwargs hooks) {
-  static const std::pair<const char*, PyObject* Hooks::*> kSlots[] = {
+  static const std::pair<const char*, PyObject * Hooks::*> kSlots[] = {
       {"tensor_type", &Hooks::tensor_type},
       {"set_donor", &Hooks::set_donor},
       {"buffer_deleted", &Hooks::buffer_deleted},
@@ -150,7 +150,8 @@ PYBIND11_MODULE(_C, m) {
         std::vector<PyObject*> keys;
         if (!only.is_none())
           for (auto t : only) keys.push_back(t.ptr());
-        int64_t step = GlobalLedger().BeginStep(&tensors, &records, only.is_none() ? nullptr : &keys);
+        int64_t step =
+            GlobalLedger().BeginStep(&tensors, &records, only.is_none() ? nullptr : &keys);
         py::list t(tensors.size()), r(records.size());
         for (size_t i = 0; i < tensors.size(); ++i) {
           PyList_SET_ITEM(t.ptr(), i, tensors[i].release().ptr());
@@ -196,9 +197,10 @@ PYBIND11_MODULE(_C, m) {
       py::arg("since") = 0,
       "Stats of the steps numbered `since` or later among the last HISTORY_STEPS "
       "steps that committed donations, oldest first.");
-  m.def("generation", []() { return GlobalLedger().generation(); },
-        "A number that changes whenever a step commits donations, a verdict is "
-        "settled or the ledger is reset.");
+  m.def(
+      "generation", []() { return GlobalLedger().generation(); },
+      "A number that changes whenever a step commits donations, a verdict is "
+      "settled or the ledger is reset.");
   m.def("totals", []() { return StatsToDict(GlobalLedger().Totals()); });
   m.def("reset", []() { GlobalLedger().Reset(); });
   m.attr("HISTORY_STEPS") = Ledger::kHistorySteps;
@@ -250,12 +252,14 @@ PYBIND11_MODULE(_C, m) {
       [](py::handle t, bool on) {
         uintptr_t impl = ImplOf(t);
         if (!impl) throw py::type_error("set_python_dispatch() needs a torch.Tensor");
-        if (!SetPythonDispatch(impl, on)) throw std::runtime_error("torch refused the dispatch key");
+        if (!SetPythonDispatch(impl, on))
+          throw std::runtime_error("torch refused the dispatch key");
       },
       py::arg("tensor"), py::arg("on"),
       "Turns the Python dispatch key of the tensor's TensorImpl on or off.");
   m.def(
-      "storage_address", [](py::handle t) -> uintptr_t {
+      "storage_address",
+      [](py::handle t) -> uintptr_t {
         uintptr_t impl = ImplOf(t);
         return impl ? StorageAddress(impl) : 0;
       },
@@ -269,6 +273,5 @@ PYBIND11_MODULE(_C, m) {
         if (read == 0) return py::none();
         return py::make_tuple(facts.storage_use_count, facts.impl_use_count);
       },
-      py::arg("tensor"),
-      "(tensors sharing the storage, owners of the TensorImpl), or None.");
+      py::arg("tensor"), "(tensors sharing the storage, owners of the TensorImpl), or None.");
 }

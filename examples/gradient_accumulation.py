@@ -22,11 +22,11 @@ import os
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 
+import inspect  # noqa: E402
+
 import torch  # noqa: E402
 import torch_xla  # noqa: E402
 import torch_xla.core.xla_model as xm  # noqa: E402
-import inspect  # noqa: E402
-
 from torch_xla.experimental import gradient_accumulation as _ga  # noqa: E402
 
 import torch_xla_donate as tdx  # noqa: E402

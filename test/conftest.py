@@ -9,8 +9,6 @@ import torch_xla
 
 import torch_xla_donate as tdx
 from torch_xla_donate import _C
-from torch_xla_donate._hooks import install as step_hook
-
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -19,6 +19,7 @@ def assert_untouched(t, expected=None):
     """Not marked, no armed donor flag, not poisoned, value as before: what a
     refused call must leave behind."""
     import torch
+
     import torch_xla_donate as tdx
     from torch_xla_donate import _C
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One entry point that sets everything up on a fresh machine, then runs:
 #   bash tools/dev.sh example   # the main example (an MLP trained on digits)
-#   bash tools/dev.sh test      # the test suite (the Bazel build and the wheel check first)
+#   bash tools/dev.sh test      # the test suite (style, the Bazel build and the wheel check first)
 #   bash tools/dev.sh wheel     # build the wheel and install it into a fresh virtualenv
 # Set-up is idempotent: a virtualenv, the pinned packages (reinstalled only
 # when the requirement files change), then the package built in place.
@@ -60,6 +60,7 @@ case "${1:-}" in
   test)
     setup
     shift
+    bash tools/lint.sh "$PY"
     PYTHON_BIN_PATH="$PWD/$PY" bash tools/bazel_build.sh
     bash tools/check_wheel.sh "$PY"
     exec "$PY" -m pytest test "$@"

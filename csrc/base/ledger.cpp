@@ -6,26 +6,40 @@ namespace torch_xla_donate {
 
 const char* VerdictName(Verdict v) {
   switch (v) {
-    case Verdict::kMarked: return "marked";
-    case Verdict::kInFlight: return "in_flight";
-    case Verdict::kReused: return "reused";
-    case Verdict::kUnused: return "unused";
-    case Verdict::kUpdatedInPlace: return "updated_in_place";
-    case Verdict::kDropped: return "dropped";
-    case Verdict::kStepFailed: return "step_failed";
-    case Verdict::kDisabled: return "disabled";
-    case Verdict::kLost: return "lost";
-    case Verdict::kCancelled: return "cancelled";
+    case Verdict::kMarked:
+      return "marked";
+    case Verdict::kInFlight:
+      return "in_flight";
+    case Verdict::kReused:
+      return "reused";
+    case Verdict::kUnused:
+      return "unused";
+    case Verdict::kUpdatedInPlace:
+      return "updated_in_place";
+    case Verdict::kDropped:
+      return "dropped";
+    case Verdict::kStepFailed:
+      return "step_failed";
+    case Verdict::kDisabled:
+      return "disabled";
+    case Verdict::kLost:
+      return "lost";
+    case Verdict::kCancelled:
+      return "cancelled";
   }
   return "unknown";
 }
 
 const char* ViaName(Via via) {
   switch (via) {
-    case Via::kDonateBuffer: return "donate_buffer()";
-    case Via::kDonate: return "donate()";
-    case Via::kDonating: return "a donating() function";
-    case Via::kGraphOp: return "torch.ops.xla.dynamo_set_buffer_donor_()";
+    case Via::kDonateBuffer:
+      return "donate_buffer()";
+    case Via::kDonate:
+      return "donate()";
+    case Via::kDonating:
+      return "a donating() function";
+    case Via::kGraphOp:
+      return "torch.ops.xla.dynamo_set_buffer_donor_()";
   }
   return "donate_buffer()";
 }
@@ -39,9 +53,8 @@ std::string Record::ShapeString() const {
   return s + "]";
 }
 
-RecordPtr Ledger::Mark(py::object tensor, FilePtr file, int line,
-                       std::vector<int64_t> shape, std::string dtype,
-                       int64_t nbytes, Via via, int64_t version) {
+RecordPtr Ledger::Mark(py::object tensor, FilePtr file, int line, std::vector<int64_t> shape,
+                       std::string dtype, int64_t nbytes, Via via, int64_t version) {
   std::lock_guard<std::mutex> lock(mu_);
   PyObject* key = tensor.ptr();
   if (index_.Find(key)) return nullptr;
@@ -110,8 +123,7 @@ void Ledger::CompactLocked() {
   marks_.resize(live);
 }
 
-int64_t Ledger::BeginStep(std::vector<py::object>* tensors,
-                          std::vector<RecordPtr>* records,
+int64_t Ledger::BeginStep(std::vector<py::object>* tensors, std::vector<RecordPtr>* records,
                           const std::vector<PyObject*>* only) {
   std::vector<Mark_> marks;
   int64_t step;
@@ -198,7 +210,7 @@ void Ledger::Settle(const RecordPtr& record, Verdict verdict) {
         s->updated_in_place_bytes += record->nbytes;
         break;
       case Verdict::kDropped:  // only a commit settles a mark so
-        s->dropped += 1;         // (undonate() before the step never does)
+        s->dropped += 1;       // (undonate() before the step never does)
         s->dropped_bytes += record->nbytes;
         break;
       case Verdict::kStepFailed:
@@ -210,7 +222,8 @@ void Ledger::Settle(const RecordPtr& record, Verdict verdict) {
         s->lost += 1;
         s->lost_bytes += record->nbytes;
         break;
-      default: break;
+      default:
+        break;
     }
   }
   if (stats && stats->in_flight > 0) stats->in_flight -= 1;

@@ -26,16 +26,16 @@ namespace py = pybind11;
 // What became of one donation.  Only kReused (and kLost) poison the tensor.
 // The names are the reports' words (report.py).
 enum class Verdict : int {
-  kMarked = 0,       // waiting for the next step barrier
-  kInFlight,         // the step ran; not yet known whether XLA took the buffer
-  kReused,           // an output of the step now lives in the buffer
-  kUnused,           // no output took the buffer; the tensor kept its value
-  kUpdatedInPlace,   // updated in place after marking: it is an output itself
-  kDropped,          // dropped at the commit: a holder appeared, a check could not decide
-  kStepFailed,       // the step raised; the tensor kept its value
-  kDisabled,         // donation is switched off; the mark was ignored
-  kLost,             // the step failed, and torch_xla lost the buffer with it
-  kCancelled,        // undonate() before the step (never part of a step)
+  kMarked = 0,      // waiting for the next step barrier
+  kInFlight,        // the step ran; not yet known whether XLA took the buffer
+  kReused,          // an output of the step now lives in the buffer
+  kUnused,          // no output took the buffer; the tensor kept its value
+  kUpdatedInPlace,  // updated in place after marking: it is an output itself
+  kDropped,         // dropped at the commit: a holder appeared, a check could not decide
+  kStepFailed,      // the step raised; the tensor kept its value
+  kDisabled,        // donation is switched off; the mark was ignored
+  kLost,            // the step failed, and torch_xla lost the buffer with it
+  kCancelled,       // undonate() before the step (never part of a step)
 };
 
 const char* VerdictName(Verdict v);
@@ -90,7 +90,7 @@ struct StepStats {
   int64_t dropped = 0, dropped_bytes = 0;
   int64_t failed = 0, failed_bytes = 0;  // the step failed; values kept
   int64_t lost = 0, lost_bytes = 0;      // the step failed and lost them
-  int64_t steps = 0;  // in the totals: how many steps committed donations
+  int64_t steps = 0;                     // in the totals: how many steps committed donations
   std::vector<std::string> unused_shapes;
   bool settled() const { return in_flight == 0; }
   int64_t in_flight = 0;  // donations of this step without a final verdict
@@ -102,9 +102,9 @@ class Ledger {
 
   // Marks `tensor` for the next step.  Returns nullptr when it is already
   // marked: marking twice before a step counts once.
-  RecordPtr Mark(py::object tensor, FilePtr file, int line,
-                 std::vector<int64_t> shape, std::string dtype,
-                 int64_t nbytes, Via via = Via::kDonateBuffer, int64_t version = -1);
+  RecordPtr Mark(py::object tensor, FilePtr file, int line, std::vector<int64_t> shape,
+                 std::string dtype, int64_t nbytes, Via via = Via::kDonateBuffer,
+                 int64_t version = -1);
 
   // Removes a pending mark; returns its record (verdict kCancelled) or
   // nullptr when the tensor was not marked.
@@ -119,8 +119,7 @@ class Ledger {
   // `only`, commits just the marks of those tensors (an execution that sees
   // part of the marks: one device's barrier, one compiled graph's inputs);
   // the others stay marked, in their order.
-  int64_t BeginStep(std::vector<py::object>* tensors,
-                    std::vector<RecordPtr>* records,
+  int64_t BeginStep(std::vector<py::object>* tensors, std::vector<RecordPtr>* records,
                     const std::vector<PyObject*>* only = nullptr);
 
   // Records the final verdict of one donation of a committed step.
@@ -151,7 +150,7 @@ class Ledger {
   int64_t step_ = 0;  // number of step barriers that committed marks
   int64_t generation_ = 0;
   std::vector<Mark_> marks_;  // in marking order; unmarked slots are empty
-  PtrIndex index_;              // tensor -> slot in marks_
+  PtrIndex index_;            // tensor -> slot in marks_
   std::deque<StepStats> history_;
   StepStats totals_;
 };

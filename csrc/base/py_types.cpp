@@ -19,8 +19,7 @@ PyObject* g_verdicts[kVerdictCount] = {};
 // -- Record -------------------------------------------------------------------
 
 struct PyRecord {
-  PyObject_HEAD
-  RecordPtr record;
+  PyObject_HEAD RecordPtr record;
 };
 
 PyTypeObject* g_record_type = nullptr;
@@ -82,8 +81,10 @@ PyGetSetDef kRecordGetters[] = {
     {"verdict", GetVerdict, nullptr, "What became of the donation (Verdict).", nullptr},
     {"shape_string", GetShapeString, nullptr, "e.g. 'f32[4,4]'.", nullptr},
     {"where", GetWhere, nullptr, "'file:line' of the call that marked it.", nullptr},
-    {"via", GetVia, nullptr, "The call that marked it: 'donate_buffer()', 'donate()', ...", nullptr},
-    {"version", GetVersion, nullptr, "The tensor's version counter when marked (-1: none).", nullptr},
+    {"via", GetVia, nullptr, "The call that marked it: 'donate_buffer()', 'donate()', ...",
+     nullptr},
+    {"version", GetVersion, nullptr, "The tensor's version counter when marked (-1: none).",
+     nullptr},
     {nullptr, nullptr, nullptr, nullptr, nullptr},
 };
 
@@ -114,8 +115,7 @@ PyType_Spec kRecordSpec = {
 // never to its entry).  It unpacks and indexes like the pair it stands for.
 
 struct PyEntry {
-  PyObject_HEAD
-  PyObject* tensor;
+  PyObject_HEAD PyObject* tensor;
   PyObject* record;
 };
 

@@ -21,9 +21,9 @@ struct Names {
 
 const Names& N() {
   static const Names names = {
-      PyUnicode_InternFromString("_is_view"),      PyUnicode_InternFromString("dtype"),
+      PyUnicode_InternFromString("_is_view"),        PyUnicode_InternFromString("dtype"),
       PyUnicode_InternFromString("untyped_storage"), PyUnicode_InternFromString("_cdata"),
-      PyUnicode_InternFromString("__class__"),     PyUnicode_InternFromString("is_leaf"),
+      PyUnicode_InternFromString("__class__"),       PyUnicode_InternFromString("is_leaf"),
       PyUnicode_InternFromString("requires_grad"),
   };
   return names;

@@ -28,7 +28,8 @@ bool ReadTensorFacts(uintptr_t address, TensorFacts* out, bool with_sizes) {
     out->itemsize = static_cast<int64_t>(dtype.itemsize());
     out->scalar_type = dtype.isScalarType() ? static_cast<int>(dtype.toScalarType()) : -1;
     out->symbolic_sizes = impl->has_symbolic_sizes_strides();
-    out->version = impl->is_inference() ? -1 : static_cast<int64_t>(impl->version_counter().current_version());
+    out->version =
+        impl->is_inference() ? -1 : static_cast<int64_t>(impl->version_counter().current_version());
     out->sizes.clear();
     if (with_sizes && !out->symbolic_sizes) {
       c10::IntArrayRef sizes = impl->sizes();  // XLA: its own override

@@ -28,7 +28,7 @@ struct TensorFacts {
   // False for a tensor that has never been touched by autograd (no
   // requires_grad, not a view): then it is certainly no view.
   bool has_autograd_meta = true;
-  int scalar_type = -1;  // c10::ScalarType, -1 if not a plain scalar type
+  int scalar_type = -1;         // c10::ScalarType, -1 if not a plain scalar type
   bool symbolic_sizes = false;  // dynamic shapes: sizes below are not filled
   std::vector<int64_t> sizes;
   int64_t itemsize = 0;

@@ -107,8 +107,8 @@ Via ViaArg(PyObject* const* args, Py_ssize_t nargs, Py_ssize_t i) {
 }
 
 void MarkCandidate(Candidate&& c, const FilePtr& file, int line, Via via) {
-  GlobalLedger().Mark(py::reinterpret_borrow<py::object>(c.tensor), file, line,
-                      std::move(c.shape), std::move(c.dtype), c.nbytes, via, c.version);
+  GlobalLedger().Mark(py::reinterpret_borrow<py::object>(c.tensor), file, line, std::move(c.shape),
+                      std::move(c.dtype), c.nbytes, via, c.version);
 }
 
 // try_mark(tensor, where, via=0) -> bool
@@ -144,7 +144,7 @@ PyObject* IsDonatable(PyObject*, PyObject* t) {
   TensorFacts facts;
   if (CommonChecks(t, &facts) != 1) return FalseClearingErrors();
   const int64_t id = TensorId(t);
-  if (id < 0 || id > g_settled_ids) return FalseClearingErrors();  // look closer
+  if (id < 0 || id > g_settled_ids) return FalseClearingErrors();    // look closer
   if (facts.symbolic_sizes || facts.sizes.empty()) Py_RETURN_FALSE;  // 0-dim: api refuses it
   if (HasPendingIr(t) != 0) return FalseClearingErrors();
   Py_RETURN_TRUE;
@@ -182,7 +182,7 @@ PyObject* TryMarkAll(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     }
     Candidate c;
     if (!Prepare(t, &c)) return PyLong_FromLong(-1);
-    probe.append(py::handle(t));  // see Pending()
+    probe.append(py::handle(t));                         // see Pending()
     if (!c.shape.empty()) todo.push_back(std::move(c));  // a scalar is skipped
   }
   if (probe.size() > 0) {
@@ -235,8 +235,7 @@ void RegisterMarking(PyObject* module) {
       "Opens try_mark's fast path while donation is switched on (config and "
       "XLA_ENABLE_PARAM_ALIASING).");
   m.def(
-      "note_lock", [](bool acquired) { g_lock_holders += acquired ? 1 : -1; },
-      py::arg("acquired"),
+      "note_lock", [](bool acquired) { g_lock_holders += acquired ? 1 : -1; }, py::arg("acquired"),
       "step_hook's lock was acquired (True) or released (False): the fast path "
       "declines while anyone holds it.");
   m.def("lock_holders", []() { return g_lock_holders; });

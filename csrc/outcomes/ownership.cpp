@@ -37,7 +37,8 @@ py::tuple LiveObjects(py::tuple types) {
   }();
   const Py_ssize_t n = PyTuple_GET_SIZE(types.ptr());
   for (Py_ssize_t k = 0; k < n; ++k)
-    if (!PyType_Check(PyTuple_GET_ITEM(types.ptr(), k))) throw py::type_error("live_objects() takes types");
+    if (!PyType_Check(PyTuple_GET_ITEM(types.ptr(), k)))
+      throw py::type_error("live_objects() takes types");
   py::object objects = py::reinterpret_steal<py::object>(PyObject_CallNoArgs(get_objects));
   Check(objects.ptr() != nullptr);
   std::vector<py::list> found(n);

@@ -6,15 +6,14 @@ import doctest
 import pytest
 import torch
 import torch_xla
+from helpers import materialize, run_python
 from torch_xla.experimental import gradient_accumulation as ga
 
 import torch_xla_donate as tdx
-from torch_xla_donate import _C
 from torch_xla_donate._base import compat as _compat
 from torch_xla_donate._base import xla as _xla
 from torch_xla_donate._hooks import executions
 from torch_xla_donate._outcomes import ownership
-from helpers import materialize, run_python
 
 
 def _release():

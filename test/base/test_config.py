@@ -21,12 +21,12 @@ import pytest
 import torch
 import torch_xla
 import torch_xla.core.xla_model as xm
+from helpers import buffer_ptr, materialize
 
 import torch_xla_donate as tdx
 from torch_xla_donate import _C
-from torch_xla_donate._marking import marks as api
 from torch_xla_donate._base import config
-from helpers import buffer_ptr, materialize
+from torch_xla_donate._marking import marks as api
 
 
 @pytest.fixture
@@ -96,7 +96,8 @@ def test_strict_unused_donation_raises_at_a_waiting_barrier(dev, strict):
     lonely, other = materialize(torch.arange(3.0, device=dev), torch.ones(3, device=dev))
     tdx.donate_buffer(lonely)
     out = other * 2  # `lonely` is no input of this step
-    with pytest.raises(tdx.UnusedDonationError, match=r"not usable at step \d+: f32\[3\] \(donated at .*test_config\.py"):
+    with pytest.raises(tdx.UnusedDonationError,
+                       match=r"not usable at step \d+: f32\[3\] \(donated at .*test_config\.py"):
         torch_xla.sync(wait=True)
     assert out.cpu().tolist() == [2.0] * 3  # the step itself ran
     _assert_kept(lonely, [0.0, 1.0, 2.0])

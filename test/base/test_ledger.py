@@ -125,7 +125,7 @@ def test_the_index_agrees_with_a_dict_through_marks_unmarks_and_steps():
     rng = random.Random(8711)
     objs = [Obj() for _ in range(600)]
     marked = {}  # id -> obj, in marking order
-    for round_ in range(6):
+    for _ in range(6):
         for _ in range(3000):
             o = rng.choice(objs)
             if rng.random() < 0.6:

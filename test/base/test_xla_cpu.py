@@ -9,7 +9,6 @@ import json
 import os
 
 import pytest
-
 from helpers import run_python
 
 # Prints a JSON line: what the import decided, XLA_FLAGS after it, the
@@ -19,7 +18,8 @@ import json, glob, logging, os, sys, warnings
 records = []
 class Keep(logging.Handler):
     def emit(self, record): records.append(record.getMessage())
-logging.getLogger("torch_xla_donate").addHandler(Keep()); logging.getLogger("torch_xla_donate").setLevel(logging.INFO)
+log = logging.getLogger("torch_xla_donate")
+log.addHandler(Keep()); log.setLevel(logging.INFO)
 import torch, torch_xla
 if {start_runtime}:
     torch.ones(2, device=torch_xla.device()).cpu()
@@ -36,7 +36,8 @@ with warnings.catch_warnings(record=True) as caught:
     torch_xla.sync()
 stale = [str(w.message) for w in caught if issubclass(w.category, tdx.StaleReadWarning)]
 options = "".join(open(f).read() for f in glob.glob(os.path.join({dump!r}, "*.debug_options")))
-print(json.dumps({{"state": __import__("torch_xla_donate._base.xla_cpu", fromlist=["x"]).state(), "flags": os.environ.get("XLA_FLAGS", ""),
+from torch_xla_donate._base import xla_cpu
+print(json.dumps({{"state": xla_cpu.state(), "flags": os.environ.get("XLA_FLAGS", ""),
                   "stale": stale, "fast": fast, "log": records,
                   "reused": [tdx.is_deleted(a), tdx.is_deleted(b)],
                   "xnnpack_off": "xla_cpu_use_xnnpack: false" in options}}))

@@ -10,12 +10,11 @@ import torch
 import torch_xla
 import torch_xla.core.xla_model as xm
 import torch_xla.distributed.parallel_loader as pl
+from helpers import buffer_ptr, materialize
 
 import torch_xla_donate as tdx
 import torch_xla_donate._outcomes.verdicts
 from torch_xla_donate import _C
-from torch_xla_donate._base import xla as _xla
-from helpers import buffer_ptr, materialize
 
 
 def _functional_update(dev, n=256):

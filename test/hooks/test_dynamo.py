@@ -1,17 +1,16 @@
 """torch.compile(backend="openxla"): a marked input of a compiled call is
 donated by that call's graph, poisoned and reported; nothing unmarked is
 donated; the bridge's own syncs commit nothing."""
-import warnings
 
 import pytest
 import torch
 import torch._dynamo
 import torch_xla
 import torch_xla.core.xla_model as xm
+from helpers import buffer_ptr, materialize
 
 import torch_xla_donate as tdx
 from torch_xla_donate import _C
-from helpers import buffer_ptr, materialize
 
 N = 128
 

@@ -8,12 +8,11 @@ import pytest
 import torch
 import torch_xla
 import torch_xla.core.xla_model as xm
+from helpers import buffer_ptr, materialize, run_python
 
 import torch_xla_donate as tdx
 from torch_xla_donate import _C
-from torch_xla_donate._hooks import executions
 from torch_xla_donate._hooks import install as step_hook
-from helpers import buffer_ptr, materialize, run_python
 
 _flag = torch_xla._XLAC._get_buffer_donation
 
@@ -220,7 +219,7 @@ def _analysis(text):
     blocks = re.split(r"={80}\n", text)
     causes, innermost, frames = [], [], []
     for block in blocks:
-        lines = [l.split(": ", 1)[1] for l in block.splitlines() if "Analysis: " in l]
+        lines = [line.split(": ", 1)[1] for line in block.splitlines() if "Analysis: " in line]
         if "Compilation Cause" not in lines and "Execution Cause" not in lines:
             continue
         causes.append(lines[1].strip())

@@ -6,13 +6,13 @@ import pytest
 import torch
 import torch_xla
 import torch_xla.debug.metrics as met
+from helpers import buffer_ptr, materialize
 from torch_xla.experimental import gradient_accumulation as _ga
 
 import torch_xla_donate as tdx
-from torch_xla_donate._hooks import gradient_accumulation as integrations
 from torch_xla_donate._base import compat as _compat
 from torch_xla_donate._base.compat import call_gradient_accumulation
-from helpers import buffer_ptr, materialize
+from torch_xla_donate._hooks import gradient_accumulation as integrations
 
 
 def gradient_accumulation(train_step, iterable_tensors, model, *carried):

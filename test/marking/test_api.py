@@ -5,10 +5,10 @@ import warnings
 import pytest
 import torch
 import torch_xla
+from helpers import buffer_ptr, materialize, run_python
 
 import torch_xla_donate as tdx
 from torch_xla_donate import _C
-from helpers import buffer_ptr, materialize, run_python
 
 
 def test_installed_into_torch_xla():

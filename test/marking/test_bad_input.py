@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 import torch
 import torch_xla
+from helpers import assert_untouched as _untouched
+from helpers import buffer_ptr, materialize, run_python
 
 import torch_xla_donate as tdx
 from torch_xla_donate import _C
-from helpers import assert_untouched as _untouched, buffer_ptr, materialize, run_python
 
 # -- not a tensor ------------------------------------------------------------
 
@@ -53,7 +54,8 @@ def test_a_container_of_tensors_points_at_donate(dev):
     t = materialize(torch.ones(3, device=dev))
     module = torch.nn.Linear(2, 2).to(dev)
     for bad in ([t], (t,), {"w": t}, module):
-        with pytest.raises(TypeError, match=r"got \w+\. For the tensors .* use torch_xla_donate\.donate\(tree\)"):
+        with pytest.raises(TypeError,
+                           match=r"got \w+\. For the tensors .* use torch_xla_donate\.donate\(tree\)"):
             tdx.donate_buffer(bad)
     _untouched(t, torch.ones(3))
     assert not tdx.is_donated(module.weight)
@@ -69,7 +71,8 @@ def test_a_container_of_tensors_points_at_donate(dev):
 ], ids=["cpu", "meta", "sparse cpu"])
 def test_not_on_an_xla_device_says_how_to_move_it(make):
     t = make()
-    with pytest.raises(ValueError, match=r"XLA device, got one on '(cpu|meta)'.*t\.to\(torch_xla\.device\(\)\)"):
+    with pytest.raises(ValueError,
+                       match=r"XLA device, got one on '(cpu|meta)'.*t\.to\(torch_xla\.device\(\)\)"):
         tdx.donate_buffer(t)
     assert _C.marked_count() == 0
     if t.device.type == "cpu":
@@ -270,7 +273,8 @@ _C.mark(torch.ones(2), "junk.py", 2, (2,), "f32", 8)
 new = p + 1
 torch_xla.sync(wait=True)
 stats = _C.step_stats()
-print("junk step:", tdx.is_deleted(p), new.cpu().tolist(), stats["reused"], stats["dropped"], stats["in_flight"])
+print("junk step:", tdx.is_deleted(p), new.cpu().tolist(), stats["reused"], stats["dropped"],
+      stats["in_flight"])
 print("done")
 """
 

@@ -4,10 +4,10 @@ import sys
 import pytest
 import torch
 import torch_xla
+from helpers import buffer_ptr, materialize
 
 import torch_xla_donate as tdx
 import torch_xla_donate._marking.marks
-from helpers import buffer_ptr, materialize
 
 
 def _pair(dev, n=64):

@@ -15,12 +15,12 @@ import pytest
 import torch
 import torch_xla
 import torch_xla.core.xla_model as xm
+from helpers import materialize
 
 import torch_xla_donate as tdx
 from torch_xla_donate._base import fast_path
 from torch_xla_donate._base.native import C
 from torch_xla_donate._marking import checks
-from helpers import materialize
 
 
 class Tagged(torch.Tensor):

@@ -4,10 +4,10 @@ messages count and name things precisely."""
 import pytest
 import torch
 import torch_xla
+from helpers import buffer_ptr, materialize
+from torch_xla.experimental.gradient_accumulation import gradient_accumulation
 
 import torch_xla_donate as tdx
-from torch_xla.experimental.gradient_accumulation import gradient_accumulation
-from helpers import buffer_ptr, materialize
 
 N = 64
 

@@ -7,11 +7,11 @@ tensor is untouched (test_bad_input.py's rule).
 import pytest
 import torch
 import torch_xla
+from helpers import assert_untouched as _untouched
+from helpers import buffer_ptr, materialize
 
 import torch_xla_donate as tdx
 from torch_xla_donate import _C
-from helpers import assert_untouched as _untouched, buffer_ptr, materialize
-
 
 # -- autograd ------------------------------------------------------------------
 
@@ -39,7 +39,8 @@ def test_graph_saving_a_marked_parameter_drops_the_mark_at_the_step(dev):
     w = torch.nn.Parameter(materialize(torch.full((4,), 3.0, device=dev)))
     tdx.donate_buffer(w)
     loss = (w * w).sum()
-    with pytest.warns(tdx.DroppedDonationWarning, match=r"f32\[4\].*saved for backward by a live autograd graph"):
+    with pytest.warns(tdx.DroppedDonationWarning,
+                      match=r"f32\[4\].*saved for backward by a live autograd graph"):
         torch_xla.sync(wait=True)
     _untouched(w, torch.full((4,), 3.0))
     loss.backward()

@@ -5,12 +5,12 @@ import sys
 import pytest
 import torch
 import torch_xla
+from helpers import materialize
 
 import torch_xla_donate as tdx
 import torch_xla_donate._marking.marks
 import torch_xla_donate._marking.trees
 from torch_xla_donate import _C
-from helpers import materialize
 
 
 def _lineno() -> int:

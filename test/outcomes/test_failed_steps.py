@@ -47,13 +47,12 @@ import pytest
 import torch
 import torch_xla
 import torch_xla.core.xla_model as xm
+from helpers import buffer_ptr, materialize
 from torch_xla.experimental.stablehlo_custom_call import stablehlo_custom_call
 
 import torch_xla_donate as tdx
 from torch_xla_donate import _C
 from torch_xla_donate._base import compat as _compat
-from torch_xla_donate._hooks import install as step_hook
-from helpers import buffer_ptr, materialize
 
 N = 64
 UNALLOCATABLE_ELEMENTS = 2**46  # float32: 2**48 bytes
@@ -412,7 +411,7 @@ def test_a_failing_step_never_poisons_an_input_it_gave_back(dev):
         # old logic, about 5 runs in 100 poisoned p.
         p, _, _ = _state(dev)
         _failing_async_step(dev, p)
-        _surfaces_at(lambda: tdx.is_deleted(p))  # the earliest verdict asked for
+        _surfaces_at(lambda p=p: tdx.is_deleted(p))  # the earliest verdict asked for
         poisoned += tdx.is_deleted(p) or type(p) is not torch.Tensor
         assert not torch_xla._XLAC._is_placecholder(p)
     assert poisoned == 0, f"{poisoned} of {runs} intact inputs were poisoned"

@@ -9,13 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torch_xla
-import torch_xla.core.xla_model as xm
-from torch.func import functional_call, grad, grad_and_value
+from helpers import buffer_ptr, materialize
+from torch.func import functional_call, grad_and_value
 
 import torch_xla_donate as tdx
-from torch_xla_donate import _C
-from torch_xla_donate._outcomes import poison
-from helpers import buffer_ptr, materialize
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -235,7 +232,7 @@ def test_torch_func_loops_under_load_never_refuse_or_drop(tmp_path):
         for p in busy:
             p.kill()
     assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("STRESS"))
+    line = next(out for out in proc.stdout.splitlines() if out.startswith("STRESS"))
     refused, dropped, unused, reused, donated = map(int, line.split()[1:])
     assert (refused, dropped, unused) == (0, 0, 0), line
     assert reused == donated == 2 * steps * 4

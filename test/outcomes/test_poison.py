@@ -6,11 +6,11 @@ import weakref
 import pytest
 import torch
 import torch_xla
+from helpers import materialize
 
 from torch_xla_donate import _C
 from torch_xla_donate._outcomes import poison
 from torch_xla_donate.errors import DonatedBufferError
-from helpers import materialize
 
 
 @pytest.fixture

@@ -12,12 +12,12 @@ import re
 
 import pytest
 import torch
+from helpers import materialize
 
 import torch_xla_donate as tdx
 from torch_xla_donate._base.dtypes import shape_string
 from torch_xla_donate._base.native import C, Verdict
 from torch_xla_donate._outcomes import poison
-from helpers import materialize
 
 
 class Tagged(torch.Tensor):

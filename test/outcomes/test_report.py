@@ -1,19 +1,17 @@
 """report: per-step reports, the summary, the per-step log and the torch_xla
 counters agree with what really happened to the buffers."""
 import io
-import warnings
 
 import pytest
 import torch
 import torch_xla
 import torch_xla.debug.metrics as met
+from helpers import buffer_ptr, materialize, run_python
 
 import torch_xla_donate as tdx
 from torch_xla_donate import _C
 from torch_xla_donate._hooks import executions
 from torch_xla_donate._outcomes import report
-from torch_xla_donate._hooks import install as step_hook
-from helpers import buffer_ptr, materialize, run_python
 
 
 def _update_with_a_lonely_donation(dev, wait=True):

@@ -15,10 +15,10 @@ import pytest
 import torch
 import torch_xla
 import torch_xla.core.xla_model as xm
+from helpers import materialize
 
 import torch_xla_donate as tdx
 from torch_xla_donate._outcomes import sharing
-from helpers import materialize
 
 
 def _copy_(w):

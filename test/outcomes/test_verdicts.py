@@ -7,12 +7,12 @@ import pytest
 import torch
 import torch_xla
 import torch_xla.core.xla_model as xm
+from helpers import buffer_ptr, materialize
 
 import torch_xla_donate as tdx
 import torch_xla_donate._outcomes.verdicts
 from torch_xla_donate import _C
 from torch_xla_donate._base import xla as _xla
-from helpers import buffer_ptr, materialize
 
 
 def test_async_loop_never_blocks_and_every_verdict_is_right(dev, monkeypatch):

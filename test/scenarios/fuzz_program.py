@@ -268,7 +268,8 @@ class Program:
                 expectations.append((e, "consumed_or_unused"))
         self.marked = {}
         kind = self.draw(st.sampled_from(["sync", "sync_wait", "mark_step", "sync_nowait"]), "barrier")
-        self.log.append(f"barrier {kind}, marked {[self.env.index(e) if e in self.env else 'dropped' for e, _ in expectations]}")
+        marked = [self.env.index(e) if e in self.env else "dropped" for e, _ in expectations]
+        self.log.append(f"barrier {kind}, marked {marked}")
         if kind == "sync":
             torch_xla.sync()
         elif kind == "sync_wait":
@@ -319,7 +320,7 @@ class Program:
 
     def run(self):
         n_inputs = self.draw(st.integers(2, 5), "inputs")
-        for i in range(n_inputs):
+        for _ in range(n_inputs):
             self.new_tensor(self.draw(st.sampled_from(SHAPES), "shape"),
                             self.draw(st.sampled_from(DTYPES), "dtype"),
                             self.draw(st.integers(0, 2**16), "seed"))

@@ -66,12 +66,12 @@ import warnings
 
 import pytest
 import torch_xla
+from fuzz_program import STATS, Program
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
 import torch_xla_donate as tdx
 from torch_xla_donate import _C
-from fuzz_program import STATS, Program
 
 settings.register_profile(
     "ci",

@@ -27,13 +27,11 @@ import weakref
 import torch
 import torch_xla
 import torch_xla.debug.metrics as met
+from helpers import materialize
 
 import torch_xla_donate as tdx
 from torch_xla_donate import _C
-from torch_xla_donate._outcomes import report
-from torch_xla_donate._hooks import install as step_hook
-from torch_xla_donate._outcomes import verdicts
-from helpers import materialize
+from torch_xla_donate._outcomes import report, verdicts
 
 STEPS = int(os.environ.get("TDX_LONG_RUN_STEPS", 10_000))
 WARMUP = max(STEPS // 5, 50)
@@ -160,7 +158,8 @@ def test_python_heap_of_the_package_stays_flat(dev, request):
             tracemalloc.stop()
         tdx.settle()
     ours = tracemalloc.Filter(True, PACKAGE_FILES, all_frames=True)
-    growth = sum(s.size_diff for s in after.filter_traces([ours]).compare_to(before.filter_traces([ours]), "filename"))
+    diff = after.filter_traces([ours]).compare_to(before.filter_traces([ours]), "filename")
+    growth = sum(s.size_diff for s in diff)
     total = sum(s.size_diff for s in after.compare_to(before, "filename"))
     assert growth < 1024, f"torch_xla_donate's Python heap grew {growth} B in {window} steps"
     _report(request, f"python heap over {window} steps: {growth:+d} B under torch_xla_donate, "

@@ -4,7 +4,6 @@ Each mode runs in its own process: VmHWM (peak resident memory) never goes
 down, so two modes in one process would hide each other.
 """
 import pytest
-
 from helpers import run_python
 
 STATE_MIB = 256

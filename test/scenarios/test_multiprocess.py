@@ -12,10 +12,9 @@ The device count is process-global: everything runs in one subprocess.
 """
 import json
 import os
+import pathlib
 import subprocess
 import sys
-
-import pathlib
 
 import pytest
 
@@ -27,7 +26,7 @@ import json, os, warnings
 import torch, torch_xla, torch_xla.core.xla_model as xm
 import torch_xla.runtime as xr
 
-STEPS = %d
+STEPS = {steps}
 
 def replica(index):
     warnings.simplefilter("error")  # any donation warning fails the replica
@@ -83,7 +82,7 @@ if __name__ == "__main__":
         xm.wait_device_ops()
         second = {"b_deleted": tdx.is_deleted(old_b), "b_value": b[0, 0].item()}
     print("SINGLE " + json.dumps({**first, **second, "warnings": [str(w.message) for w in caught]}))
-""" % STEPS
+""".replace("{steps}", str(STEPS))
 
 
 @pytest.fixture(scope="module")
@@ -98,8 +97,8 @@ def report(tmp_path_factory):
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"subprocess failed:\n{proc.stdout}\n{proc.stderr}"
     lines = proc.stdout.splitlines()
-    replicas = [json.loads(l[len("REPLICA "):]) for l in lines if l.startswith("REPLICA ")]
-    single = [json.loads(l[len("SINGLE "):]) for l in lines if l.startswith("SINGLE ")]
+    replicas = [json.loads(x[len("REPLICA "):]) for x in lines if x.startswith("REPLICA ")]
+    single = [json.loads(x[len("SINGLE "):]) for x in lines if x.startswith("SINGLE ")]
     return sorted(replicas, key=lambda r: r["rank"]), single
 
 

@@ -20,9 +20,9 @@ import torch
 import torch_xla
 import torch_xla.core.xla_model as xm
 import torch_xla.distributed.parallel_loader as pl
+from helpers import materialize, run_python
 
 import torch_xla_donate as tdx
-from helpers import materialize, run_python
 
 # -- peak memory of a functional Adam loop ------------------------------------
 

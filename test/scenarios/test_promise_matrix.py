@@ -27,18 +27,16 @@ long form runs the whole cross product::
 
     TDX_MATRIX=full PJRT_DEVICE=CPU .venv/bin/python -m pytest -q test/test_promise_matrix.py
 """
-import contextlib
 import os
 import threading
-import warnings
 
 import pytest
 import torch
 import torch_xla
 import torch_xla.core.xla_model as xm
+from helpers import run_python
 
 import torch_xla_donate as tdx
-from helpers import run_python
 
 N = 64
 SPMD = os.environ.get("TDX_MATRIX_SPMD") == "1"

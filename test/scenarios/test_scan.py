@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch_xla
 import torch_xla.debug.metrics as met
+from helpers import buffer_ptr, materialize
 from torch_xla.experimental.scan import scan
 
 import torch_xla_donate as tdx
-from helpers import buffer_ptr, materialize
 
 STEPS = 4
 

@@ -11,7 +11,6 @@ import json
 import os
 
 import pytest
-
 from helpers import run_python
 
 _CODE = r"""
@@ -207,7 +206,7 @@ def spmd(tmp_path_factory):
         _CODE,
         env={"CPU_NUM_DEVICES": "4", "XLA_FLAGS": f"--xla_dump_to={dump} --xla_dump_hlo_as_text"},
     )
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
+    line = next(out for out in proc.stdout.splitlines() if out.startswith("RESULT "))
     headers = []
     for path in glob.glob(os.path.join(dump, "*after_optimizations.txt")):
         with open(path) as f:

@@ -29,13 +29,12 @@ import pytest
 import torch
 import torch_xla
 import torch_xla.core.xla_model as xm
+from helpers import materialize
 
 import torch_xla_donate as tdx
-from torch_xla_donate._base import lock as lock_module
 from torch_xla_donate import _C
+from torch_xla_donate._base import lock as lock_module
 from torch_xla_donate._outcomes import poison
-from torch_xla_donate._hooks import install as step_hook
-from helpers import materialize
 
 XLA_OPS = threading.Lock()  # see the module doc
 THREADS = 16
@@ -148,7 +147,7 @@ def test_marks_from_many_threads_before_one_step(dev):
     stats = _C.step_stats()
     assert stats["donated"] == stats["reused"] == len(everyone)
     assert all(tdx.is_deleted(t) for t in everyone)
-    for g, group in enumerate(groups):
+    for g in range(len(groups)):
         for i in range(PER_THREAD):
             assert outs[g * PER_THREAD + i].cpu()[0].item() == 2 * (g * 100 + i)
     _assert_consistent(everyone)

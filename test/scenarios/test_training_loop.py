@@ -5,9 +5,9 @@ import os
 import torch
 import torch_xla
 import torch_xla.debug.metrics as met
+from helpers import buffer_ptr, run_python
 
 import torch_xla_donate as tdx
-from helpers import buffer_ptr, run_python
 
 STEPS = 20
 
@@ -94,7 +94,9 @@ def _run_both_modes():
 
 
 def test_same_parameters_and_no_extra_compiles():
-    (plain_params, plain_compiles, plain_reused), (donated_params, donated_compiles, donated_reused) = _run_both_modes()
+    plain, donated = _run_both_modes()
+    (plain_params, plain_compiles, plain_reused) = plain
+    (donated_params, donated_compiles, donated_reused) = donated
     plain_params = [torch.tensor(p) for p in plain_params]
     donated_params = [torch.tensor(p) for p in donated_params]
     # Not bitwise: two plain runs on XLA's CPU backend already differ by an

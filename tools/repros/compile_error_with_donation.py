@@ -31,7 +31,7 @@ ROUNDS = 60
 def main(donate: bool) -> None:
     dev = torch_xla.device()
     donor_flag = torch_xla._XLAC._set_buffer_donation
-    for i in range(ROUNDS):
+    for _ in range(ROUNDS):
         xs = [torch.arange(8.0, device=dev) + k for k in range(5)]
         torch_xla.sync()
         if donate:

@@ -20,8 +20,8 @@ package's).  What it calls back into Python, bound at import with
 """
 import torch
 
-from . import compat
 from .. import _C as C
+from . import compat
 
 __all__ = ["C", "Verdict", "Via"]
 

@@ -9,8 +9,8 @@ import torch
 import torch_xla
 import torch_xla.runtime
 
-from .native import C
 from .dtypes import xla_dtype_name
+from .native import C
 
 _XLAC = torch_xla._XLAC
 

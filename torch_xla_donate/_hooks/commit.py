@@ -30,12 +30,12 @@ them with no frame of ours on the stack.  The hook lock is held from
 import sys
 
 from .._base import config, fast_path, xla
-from .._outcomes import failures, ownership, sharing, verdicts
-from .._base.native import C
-from .._outcomes import devices as _devices
 from .._base.errors import DroppedDonationWarning
 from .._base.lock import lock
 from .._base.messages import Notices
+from .._base.native import C
+from .._outcomes import devices as _devices
+from .._outcomes import failures, ownership, sharing, verdicts
 
 __all__ = ["barrier_before", "barrier_after", "decide", "undecided", "split", "arm", "finish",
            "flush_before", "flush_after"]

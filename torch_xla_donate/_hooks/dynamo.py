@@ -42,15 +42,14 @@ import contextlib
 import copy
 import threading
 
-
-from . import commit, executions
 from .._base import xla, xla_cpu
-from .._outcomes import failures, poison, verdicts
 from .._base.dtypes import xla_dtype_name
-from .._base.native import C, Via
 from .._base.lock import lock
 from .._base.messages import Notices
+from .._base.native import C, Via
 from .._base.sites import user_site
+from .._outcomes import failures, poison, verdicts
+from . import commit, executions
 
 __all__ = ["install", "uninstall", "installed", "TRAMPOLINES"]
 

@@ -39,10 +39,10 @@ import threading
 
 import torch_xla
 
-from . import commit
 from .._base import xla
-from .._outcomes import failures
 from .._base.native import C
+from .._outcomes import failures
+from . import commit
 
 __all__ = ["install", "uninstall", "installed", "context", "BLOCK_PROLOGUE", "COMPILED_CALL"]
 

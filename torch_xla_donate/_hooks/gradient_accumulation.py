@@ -39,10 +39,10 @@ import threading
 
 import torch
 
-from .._base.errors import ParameterDonationError
-from .._outcomes import poison
-from .._base.native import C
 from .._base.dtypes import shape_string
+from .._base.errors import ParameterDonationError
+from .._base.native import C
+from .._outcomes import poison
 
 __all__ = ["install", "uninstall", "installed"]
 
@@ -62,7 +62,8 @@ def install() -> None:
 
         # The public function forwards to this private one, looked up at call
         # time: wrapping it also covers references taken before our import.
-        name = "_gradient_accumulation" if hasattr(module, "_gradient_accumulation") else "gradient_accumulation"
+        name = ("_gradient_accumulation" if hasattr(module, "_gradient_accumulation")
+                else "gradient_accumulation")
         original = getattr(module, name)
         setattr(module, name, _checking_model_state(original))
         _patched = (module, name, original)

@@ -25,8 +25,8 @@ The donations are abandoned there (executions.py knows the block raised):
 the outputs that would take the buffers are lost with the exception, and the
 old values must not be lost with them.
 """
-from . import devices
 from .._base.native import C
+from . import devices
 
 __all__ = ["note_failure", "in_failed_step", "wait_before", "wait_after"]
 

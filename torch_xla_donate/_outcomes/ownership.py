@@ -40,11 +40,11 @@ import threading
 
 import torch
 
-from . import devices, poison
 from .._base import xla
-from .._base.native import C
 from .._base.dtypes import shape_string
 from .._base.errors import DroppedDonationWarning
+from .._base.native import C
+from . import devices, poison
 
 __all__ = ["judge", "judge_at_commit", "drop", "held_by_autograd", "owns_its_buffer",
            "settle_autograd", "scan", "poison_companions", "companions_by_record",

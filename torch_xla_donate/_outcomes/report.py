@@ -26,7 +26,10 @@ Ways to look:
   of the step's verdicts are in (for a ``wait=False`` loop: at the next
   barrier)::
 
-      torch_xla_donate: step 12: donated 200 (512.0 MiB): reused 199 (511.9 MiB), unused 1 (f32[3]), updated in place 0, dropped 0, failed 0
+      torch_xla_donate: step 12: donated 200 (512.0 MiB): reused 199 (511.9 MiB),
+      unused 1 (f32[3]), updated in place 0, dropped 0, failed 0
+
+  (one line; wrapped here)
 
 * torch_xla's own metrics: the plugin adds its counts to torch_xla counters
   named in ``COUNTERS`` (``DonatedBuffers``, ``DonatedBuffersReused``, ...), so
@@ -44,11 +47,10 @@ import sys
 import threading
 import warnings
 from collections import Counter
-from typing import Optional, Tuple
 
-from . import verdicts
 from .._base import xla
 from .._base.native import C
+from . import verdicts
 
 __all__ = [
     "StepReport",
@@ -93,14 +95,14 @@ def _size(nbytes: int) -> str:
 class StepReport:
     """What one step's donations became (``step=None``: totals of all steps)."""
 
-    step: Optional[int]
+    step: int | None
     donated: int
     donated_bytes: int
     reused: int
     reused_bytes: int
     unused: int
     unused_bytes: int
-    unused_shapes: Tuple[str, ...]
+    unused_shapes: tuple[str, ...]
     updated_in_place: int
     updated_in_place_bytes: int
     dropped: int
@@ -182,7 +184,7 @@ class Summary:
 
     steps: int
     totals: StepReport
-    history: Tuple[StepReport, ...]
+    history: tuple[StepReport, ...]
 
     @property
     def unused_shapes(self) -> Counter:
@@ -218,7 +220,7 @@ class Summary:
         return "\n".join(lines)
 
 
-def last_step_report(step: Optional[int] = None) -> Optional[StepReport]:
+def last_step_report(step: int | None = None) -> StepReport | None:
     """The report of the newest step that donated, or of ``step``.
 
     None before any step donated, or when ``step`` donated nothing or is

@@ -40,9 +40,9 @@ True
 """
 import torch
 
-from . import ownership, poison
 from .._base import config, xla
 from .._base.dtypes import shape_string
+from . import ownership, poison
 
 __all__ = ["screen", "live_sharers"]
 

@@ -19,12 +19,12 @@ A verdict is:
 torch_xla's donor flag was cleared as soon as the execution had built its
 graph (commit.py), so an unused donation cannot fire at a later step.
 """
-from . import devices, failures, ownership, poison
 from .._base import config, xla
-from .._base.native import C
 from .._base.errors import UnusedDonationError, UnusedDonationWarning
 from .._base.lock import lock
 from .._base.messages import warn_records
+from .._base.native import C
+from . import devices, failures, ownership, poison
 
 __all__ = ["after_commit", "settle", "settle_one", "abandon", "failed", "settled_listeners",
            "notify_settled"]

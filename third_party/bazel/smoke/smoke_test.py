@@ -48,7 +48,7 @@ class CImportTest(unittest.TestCase):
         self.assertIsInstance(step, int)
         self.assertGreaterEqual(step, 0)
         self.assertEqual(C.marked_count(), 0)
-        print("torch_xla_donate._C from %s: current_step() = %d" % (C.__file__, step))
+        print(f"torch_xla_donate._C from {C.__file__}: current_step() = {step}")
 
 
 class PackageImportTest(unittest.TestCase):
@@ -64,7 +64,7 @@ class PackageImportTest(unittest.TestCase):
         self.assertEqual(os.path.realpath(tdx._C.__file__), os.path.realpath(EXTENSION))
         self.assertIsInstance(tdx._C.current_step(), int)
         self.assertTrue(callable(tdx.donate_buffer))
-        print("torch_xla_donate from %s" % os.path.dirname(tdx.__file__))
+        print(f"torch_xla_donate from {os.path.dirname(tdx.__file__)}")
 
 
 if __name__ == "__main__":
