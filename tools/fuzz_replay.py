@@ -23,6 +23,7 @@ earlier program left behind (its compile cache), found by the long fuzz:
   program, which passes.
 """
 import argparse
+import importlib.util
 import os
 import sys
 import warnings
@@ -30,10 +31,17 @@ import warnings
 import torch
 import torch_xla
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "test"))
-import fuzz_program  # noqa: E402
+import torch_xla_donate as tdx
+from torch_xla_donate._base.native import C
+from torch_xla_donate._hooks import install
 
-import torch_xla_donate as tdx  # noqa: E402
+# The fuzzer's program, loaded from its file (the test suite is no package
+# this tool should put on the import path).
+_PROGRAM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "test", "scenarios",
+                        "fuzz_program.py")
+_spec = importlib.util.spec_from_file_location("fuzz_program", _PROGRAM)
+fuzz_program = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(fuzz_program)
 
 
 class Draws:
@@ -53,7 +61,7 @@ def main():
     parser.add_argument("--keep", default="")
     args = parser.parse_args()
     if args.no_donate:
-        tdx.step_hook.uninstall()
+        install.uninstall()
         fuzz_program.Program.donate = lambda self, entry, defer: None
         fuzz_program.Program.judge = lambda self, expectations: None
     with open(args.trace) as f:
@@ -75,7 +83,7 @@ def main():
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 tdx.settle()
-                for t in tdx._C.marked_tensors():
+                for t in C.marked_tensors():
                     tdx.undonate(t)
             del program
             torch_xla.sync()

@@ -44,9 +44,24 @@ _state = {
 changed_listeners = []
 
 
-def configure(*, strict=None, enabled=None, check_sharing=None) -> dict:
-    """Sets the switches given (None leaves one as it is); returns the
-    previous values, so ``configure(**previous)`` restores them."""
+def configure(*, strict: bool | None = None, enabled: bool | None = None,
+              check_sharing: bool | None = None) -> dict:
+    """Sets the switches given; None leaves one as it is.
+
+    Args:
+      strict: unusable donations raise ``UnusedDonationError`` instead of
+        warning.
+      enabled: False switches donation off (marking checks and does nothing).
+      check_sharing: compare every donor with all live tensors at each
+        commit (sharing.py), to see every copy torch_xla backs with a
+        donor's buffer.
+
+    Returns:
+      The previous values, so ``configure(**previous)`` restores them.
+
+    Raises:
+      TypeError: a value is not True, False or None.
+    """
     given = {"strict": strict, "enabled": enabled, "check_sharing": check_sharing}
     for name, value in given.items():
         if value is not None and not isinstance(value, bool):

@@ -1,5 +1,13 @@
 """Committing marks to an execution: the heart of the step barrier.
 
+Example (what a user's loop runs through; ``PJRT_DEVICE=CPU``)::
+
+    tdx.donate_buffer(p)             # marking only records
+    p = p * 0.9 + g
+    torch_xla.sync()                 # barrier_before, the real barrier, barrier_after
+
+Ours until committed
+--------------------
 A mark is the plugin's alone until an execution commits it: torch_xla's
 buffer-donor flag is set only inside that execution, on the buffer the
 marked tensor holds at that moment, and cleared as soon as torch_xla has
@@ -9,23 +17,34 @@ torch_xla path the plugin does not see can take a marked buffer, whatever
 happened to the tensor in between (``t.copy_(s)``, ``swap_tensors``,
 ``mark_sharding``, a flush of pending work).
 
-Around the real barrier (see executions.py for which barriers commit):
-
-1. *before*: take the marks of the barrier's device to a new step; split
-   them (a tensor updated in place since marking is an output, not a donor;
-   one whose buffer another live tensor holds goes to ownership.py); arm the
-   donors' flags;
-2. the real barrier builds the graph (fixing its donor set) and dispatches it;
-3. *after*: clear the flags, poison the donors, and leave their verdicts in
-   flight (verdicts.py).  A donor nothing but the plugin refers to any more
-   (the loop rebound its name) can be put into no other graph: it is left
-   as it is, flag and all, and freed with its entry.  A failed execution abandons its donations
-   (failures.py): STEP_FAILED, values kept.
+Around the real barrier
+-----------------------
+1. *before* (``barrier_before``): take the marks of the barrier's device to
+   a new step; ``decide`` the donors: ``split`` them (a tensor updated in
+   place since marking is an output, not a donor; one whose buffer another
+   live tensor holds goes to ownership.py and sharing.py), then ``arm``
+   their flags;
+2. the real barrier builds the graph (fixing its donor set) and dispatches
+   it;
+3. *after* (``barrier_after``, then ``finish``, which a compiled call's
+   commit shares): clear the flags, poison the donors, and leave their
+   verdicts in flight (verdicts.py).  A donor nothing but the plugin refers
+   to any more (the loop rebound its name) can be put into no other graph:
+   it is left as it is and freed with its entry.  A failed execution
+   abandons its donations (failures.py): STEP_FAILED, values kept.
 
 ``before`` and ``after`` run as the two halves of a native trampoline
 (``C.Trampoline``, see executions.py): torch_xla's own code runs between
 them with no frame of ours on the stack.  The hook lock is held from
 ``before`` to ``after``.
+
+Never in the user's way
+-----------------------
+The user's step must run whatever the plugin's checks do.  A check that
+raises drops the step's marks (``undecided``: values kept, a warning says
+why); warnings are held back (messages.Notices) until the commit is whole,
+so a filter that turns them into errors raises after the step, with every
+donation settled.
 """
 import sys
 

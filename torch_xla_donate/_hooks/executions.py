@@ -1,5 +1,13 @@
 """Which torch_xla executions commit donation marks.
 
+Example: every one of these commits the marks made before it::
+
+    xm.mark_step(); torch_xla.sync()           # a step barrier
+    with torch_xla.step(): ...                  # the sync that ends the block
+    for batch in pl.MpDeviceLoader(loader, dev): ...  # each iteration's barrier
+
+The problem
+-----------
 torch_xla honours its buffer-donor flags in every execution that syncs
 device data: the step barrier ``_xla_step_marker`` (``xm.mark_step``,
 ``torch_xla.sync``, ``torch_xla.step()``/``compile``, ``MpDeviceLoader``),
@@ -10,8 +18,8 @@ bridge's warm-up).  A mark is the plugin's alone until an execution it
 commits: commit.py arms the flags inside that execution and clears them when
 its graph is built, so none of the others can take a marked buffer.
 
-Executions that commit the marks:
-
+Which commit
+------------
 * a step barrier, except the ones torch_xla runs as part of something else:
   the flush ``torch_xla.step()``/``compile`` runs on entry (the marks made
   before the block are meant for the block's graph) and the syncs inside a
@@ -21,16 +29,18 @@ Executions that commit the marks:
   buffers are lost with the exception);
 * a call of a ``torch.compile(backend="openxla")`` graph (dynamo.py).
 
-Executions that commit nothing: ``xm.unlazy``/``_xla_sync_multi`` and
-``_xla_sync_live_tensors`` run part of the pending work, and another pending
-tensor may still read a marked one, so its marks wait for the next step
-barrier (documented in the README).
+``xm.unlazy``/``_xla_sync_multi`` and ``_xla_sync_live_tensors`` commit
+nothing: they run part of the pending work, and another pending tensor may
+still read a marked one, so its marks wait for the next step barrier.
 
+How
+---
 Every hook on an ``_XLAC`` function is a native ``C.Trampoline``: torch_xla's
 debug analysis (``PT_XLA_DEBUG``) sees its own caller as the innermost Python
 frame, as without the plugin.  The step-block hook wraps the public
 ``torch_xla.compile`` (``torch_xla.step()`` calls it), a structural place
-that needs no look at torch_xla's frames.
+that needs no look at torch_xla's frames; a thread-local stack says which
+sync of a block a barrier is.
 """
 import contextlib
 import functools

@@ -62,6 +62,7 @@ documentation long admitted that arguments passed by keyword escaped
 """
 import functools
 import operator
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.utils._pytree as torch_pytree
@@ -75,15 +76,25 @@ from .selection import Selection
 __all__ = ["donating"]
 
 
-def donating(fn=None, *, donate_argnums=(), donate_argnames=()):
+def donating(fn: Callable | None = None, *, donate_argnums: int | Sequence[int] = (),
+             donate_argnames: str | Sequence[str] = ()):
     """Wraps ``fn`` so that the chosen arguments are donated on every call.
 
-    ``donate_argnums`` (an int or a sequence of ints) and ``donate_argnames``
-    (a str or a sequence of str) select parameters; an argument selected both
-    ways is donated once.  Each call marks every tensor of the selected
-    arguments with ``donate`` (all or nothing), then calls ``fn``.  Works as a
-    decorator (``@donating(donate_argnums=0)``) or directly
-    (``donating(fn, donate_argnums=0)``).
+    Each call marks every tensor of the selected arguments with ``donate``
+    (all or nothing), then calls ``fn``.  Works as a decorator
+    (``@donating(donate_argnums=0)``) or directly (``donating(fn,
+    donate_argnums=0)``).
+
+    Args:
+      fn: the function (or module, or any callable) to wrap.
+      donate_argnums: positions of the parameters to donate (see the module
+        docstring for ``*args`` and callables without a signature).
+      donate_argnames: names of the parameters to donate; an argument
+        selected both ways is donated once.
+
+    Returns:
+      The wrapper, with ``donate_argnums`` and ``donate_argnames`` saying what
+      was resolved.
 
     Raises at wrap time:
       TypeError: ``fn`` is not callable, an index/name has the wrong type, or

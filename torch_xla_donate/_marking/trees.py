@@ -63,14 +63,16 @@ __all__ = ["donate", "undonate", "donate_named", "tensors_in", "check_root"]
 def donate(tree) -> int:
     """Donates every tensor leaf of ``tree`` to the outputs of the next step.
 
-    ``tree`` is a tensor, a pytree of tensors (lists, tuples, dicts,
-    namedtuples, registered types), an ``nn.Module`` (its parameters and
-    buffers) or a ``torch.optim.Optimizer`` (its state tensors), or any nest
-    of these.  Non-tensor leaves are skipped.
+    Args:
+      tree: a tensor, a pytree of tensors (lists, tuples, dicts, namedtuples,
+        registered types), an ``nn.Module`` (its parameters and buffers) or a
+        ``torch.optim.Optimizer`` (its state tensors), or any nest of these.
+        Non-tensor leaves are skipped.
 
-    Returns the number of distinct tensors of ``tree`` that are now marked for
-    the next step: 0 when donation is switched off (``TORCH_XLA_DONATE_DISABLE``,
-    ``XLA_ENABLE_PARAM_ALIASING=0``) or the tree holds no tensor.
+    Returns:
+      The number of distinct tensors of ``tree`` now marked for the next step:
+      0 when donation is switched off (``TORCH_XLA_DONATE_DISABLE``,
+      ``XLA_ENABLE_PARAM_ALIASING=0``) or the tree holds no tensor.
 
     Raises (marking nothing):
       TypeError: ``tree`` itself is an object pytree cannot look into (for

@@ -1,39 +1,53 @@
 """Who else holds a marked tensor's buffer, and what that means for its
 donation.
 
+Example (the torch.func tutorial's parameters share the module's storage)::
+
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    tdx.donate(params)           # judged: the module's parameters are companions
+    ...; torch_xla.sync()        # model(x) now raises DonatedBufferError naming them
+
+The problem
+-----------
 Donating a buffer destroys it for every tensor that holds it.  Most marked
 tensors are held by nobody else, which c10's use counts say in nanoseconds
 (``C.split_committed``, ``C.try_mark``).  When they say otherwise, this
 module looks at who the holders are, and decides the same way at marking
-and at the commit (where the holders may be new):
+and at the commit (where the holders may be new).
 
+The holders and their fate
+--------------------------
 * A holder only autograd's worker thread still has.  For a few milliseconds
   after ``torch.func.grad`` returns, that thread is still releasing the
-  graph's references.  ``settle_autograd`` waits for it (it runs a tiny
-  backward on the same device queue, which the thread takes only once it is
-  done with the previous one), so the outcome never depends on timing.
-* Parameters and buffers of an ``nn.Module`` that share the tensor's storage
-  (the torch.func tutorial's ``{k: v.detach() for k, v in
-  model.named_parameters()}``), and a leaf that a finished autograd graph
-  still accumulates into (``w = w.detach()`` while ``loss`` is alive):
-  taken down with the donation.  They are *companions*: poisoned with it,
-  so ``model(x)`` raises ``DonatedBufferError`` naming the parameter, and
-  given back with it if the donation goes unused.
+  graph's references.  ``settle_autograd`` waits for it (a backward on the
+  same device queue, which the thread takes only once it is done with the
+  previous one), so the outcome never depends on timing, whatever the
+  caller's grad mode.
+* Parameters and buffers of an ``nn.Module`` that share the tensor's storage,
+  and a leaf that a finished autograd graph still accumulates into
+  (``w = w.detach()`` while ``loss`` is alive): taken down with the
+  donation.  They are *companions*: poisoned with it, so ``model(x)`` raises
+  ``DonatedBufferError`` naming the parameter, and given back with it if
+  the donation goes unused.
 * Anything else alive (a view or alias the user holds, a graph that saved
   the tensor for backward, a parameter's ``.grad`` slot) keeps the donation
   from happening: ``donate_buffer`` raises a ``ValueError`` naming the
   holder and the fix; at the commit the mark is dropped with a
   ``DroppedDonationWarning`` naming it; the tensor keeps its value.
 
-Finding holders walks the objects Python's garbage collector tracks (about
-50 ms in a process with torch_xla loaded), so it runs only when a use count
-says there is one, once per call (``scan()`` caches it).
+Finding holders
+---------------
+The scan walks the objects Python's garbage collector tracks (about 50 ms in
+a process with torch_xla loaded), so it runs only when a use count says
+there is a holder, once per call (``scanning()`` caches it).  It leaves out
+the Python objects of tensors only C++ keeps alive (csrc/outcomes/
+ownership.cpp): they count as C++ holders, and kept in a list they would
+outlive their TensorImpls.
 
-torch_xla also backs copies (``load_state_dict``, ``copy_``,
-``t.to(device, copy=True)``) with their source's device buffer, invisibly to
-c10.  A marked copy that has not been through a barrier yet is refused
-(``owns_its_buffer``); sharing older than the last barrier cannot be seen
-from outside torch_xla (README, "Limits").
+Buffers torch_xla shares between distinct tensors (copies made by
+``load_state_dict``, ``copy_``, ``t.to(device, copy=True)``) are invisible to
+c10's counts: a copy made since the last barrier is refused here
+(``owns_its_buffer``); sharing.py looks at the others at the commit.
 """
 import contextlib
 import threading

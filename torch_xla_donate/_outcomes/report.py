@@ -223,16 +223,26 @@ class Summary:
 def last_step_report(step: int | None = None) -> StepReport | None:
     """The report of the newest step that donated, or of ``step``.
 
-    None before any step donated, or when ``step`` donated nothing or is
-    older than the history window.  Verdicts still in flight are reported as
-    such: call ``torch_xla_donate.settle()`` first to wait for them.
+    Args:
+      step: a step number (``StepReport.step``); None: the newest.
+
+    Returns:
+      The step's ``StepReport``; None before any step donated, or when
+      ``step`` donated nothing or is older than the history window.  Verdicts
+      still in flight are reported as such: call ``torch_xla_donate.settle()``
+      first to wait for them.
     """
     stats = C.step_stats(-1 if step is None else step)
     return None if stats is None else StepReport._from_stats(stats)
 
 
 def summary() -> Summary:
-    """Totals across steps, plus the reports of the steps still in history."""
+    """Totals across steps, plus the reports of the steps still in history.
+
+    Returns:
+      A ``Summary``: ``steps``, ``totals`` (a ``StepReport`` without a step)
+      and ``history`` (the last ``HISTORY_STEPS`` steps that donated).
+    """
     totals = C.totals()
     return Summary(
         steps=totals["steps"],
@@ -243,7 +253,11 @@ def summary() -> Summary:
 
 def metrics_report() -> str:
     """The plugin's counters in the format of
-    ``torch_xla.debug.metrics.short_metrics_report()``."""
+    ``torch_xla.debug.metrics.short_metrics_report()``.
+
+    Returns:
+      One ``Counter: name`` / ``Value: n`` pair per entry of ``COUNTERS``.
+    """
     totals = C.totals()
     return "".join(f"Counter: {name}\n  Value: {totals[field]}\n" for name, field in COUNTERS.items())
 

@@ -19,7 +19,7 @@ What is seen, at what cost
   functional update while a target network copied from it is alive).  When
   the copy took the buffer at a barrier, torch_xla filed the buffer under
   the copy's tensor id.  One vectorized query per commit
-  (``xla.buffer_owners``) finds donors whose buffer is filed under another
+  (``xla.owners_of``) finds donors whose buffer is filed under another
   tensor; only for those the live tensors are looked at (a walk of the
   garbage collector's objects), to tell a live copy from a dead one.
   Always on.

@@ -1,20 +1,35 @@
 """Verdicts: what became of each committed donation.
 
+Example (a loop that never waits)::
+
+    tdx.donate_buffer(p); p = p * 0.9 + g
+    torch_xla.sync(wait=False)   # the verdict is in flight: nothing blocks
+    ...
+    torch_xla.sync(wait=False)   # the next barrier settles it (REUSED)
+
+The problem
+-----------
 Whether XLA really took a buffer is visible only once the execution has been
 dispatched (the input's buffer is then deleted), and with
-``sync(wait=False)`` that may be a moment later.  So each donation waits *in
-flight*, poisoned: it is settled by the next barrier of its device (which
-cannot start before this step was dispatched), by the first use of the
-tensor, by ``is_deleted``, or by ``settle()``.  Nothing blocks the
-training loop.
+``sync(wait=False)`` that may be a moment later; before that, a buffer XLA
+holds for a donation reads as deleted even if a failing step gives it back.
 
-A verdict is:
+In flight until certain
+-----------------------
+So each donation waits *in flight*, poisoned: it is settled by the next
+barrier of its device (which cannot start before this step was dispatched),
+by the first use of the tensor (``settle_one``, which poison.py calls), by
+``is_deleted``, or by ``settle()``.  Nothing blocks the training loop.
 
+The verdicts
+------------
 * REUSED: the buffer is gone; the tensor stays poisoned;
 * UNUSED: no output could take it (or it was no input of the graph): the
   tensor gets its value back and an ``UnusedDonationWarning`` says so
   (``UnusedDonationError`` in strict mode);
-* STEP_FAILED: the execution failed (failures.py): value kept, quietly.
+* STEP_FAILED: the execution failed (failures.py): value kept, quietly;
+* LOST: the execution failed and torch_xla lost the buffer with it
+  (torch_xla 2.7 on a compile error): the tensor refuses use.
 
 torch_xla's donor flag was cleared as soon as the execution had built its
 graph (commit.py), so an unused donation cannot fire at a later step.
@@ -144,7 +159,13 @@ def settle() -> None:
 
     After ``torch_xla.sync(wait=False)`` a step's verdicts are known only
     once it has been dispatched; reports and counts taken after this are
-    final.  Unused donations warn here (raise in strict mode).
+    final.
+
+    Raises:
+      UnusedDonationError: in strict mode, for donations no output could
+        take (they keep their values; other modes warn).
+      The error of a failed asynchronous step, if it surfaces while waiting
+      (its donations keep their values and stay open).
     """
     global _in_flight
     with lock:
