@@ -19,6 +19,11 @@ from torch_xla_donate import _C
 from torch_xla_donate._outcomes import poison
 
 SHAPES = [(4,), (8,), (16,), (2, 4), (4, 2), (2, 8), (4, 4)]
+# A wide input now and then: matmuls at the widths where XLA:CPU once read a
+# reused buffer's old contents (tools/repros/xnnpack_stale_read.py), after a
+# donation or an in-place update gave the buffer to a new value.
+WIDE = (1024, 1024)
+INPUT_SHAPES = SHAPES + [WIDE]
 DTYPES = [torch.float32, torch.bfloat16, torch.int32]
 MAX_STEPS = 4
 MAX_OPS = 7
@@ -40,7 +45,7 @@ INPLACE = {
 # Totals over the whole run, printed at the end.
 STATS = dict.fromkeys(
     ["examples", "steps", "ops", "reads", "donations", "refused", "consumed",
-     "unused", "updated_in_place", "dropped", "deferred"], 0)
+     "unused", "updated_in_place", "dropped", "deferred", "wide_matmuls"], 0)
 
 
 @dataclass(eq=False)
@@ -106,7 +111,8 @@ class Program:
     def new_tensor(self, shape, dtype, seed):
         gen = torch.Generator().manual_seed(seed)
         if dtype.is_floating_point:
-            cpu = (torch.randn(shape, generator=gen) * 3).to(dtype)
+            scale = 3 if shape != WIDE else 1 / 32  # a wide matmul's sums stay small
+            cpu = (torch.randn(shape, generator=gen) * scale).to(dtype)
         else:
             cpu = torch.randint(-9, 10, shape, generator=gen, dtype=dtype)
         self.env.append(Entry(cpu.to(self.dev), cpu.to(self.dev), cpu.clone()))
@@ -177,6 +183,7 @@ class Program:
                                       and e.ref.shape[0] == a.ref.shape[1]), b)
             if b is not None:
                 self.produce(torch.matmul, a, b)
+                STATS["wide_matmuls"] += a.ref.shape == WIDE
 
     def op_cast(self, a, b, fn, choice, defer):
         a = self.pick(self.usable(), a)
@@ -321,7 +328,7 @@ class Program:
     def run(self):
         n_inputs = self.draw(st.integers(2, 5), "inputs")
         for _ in range(n_inputs):
-            self.new_tensor(self.draw(st.sampled_from(SHAPES), "shape"),
+            self.new_tensor(self.draw(st.sampled_from(INPUT_SHAPES), "shape"),
                             self.draw(st.sampled_from(DTYPES), "dtype"),
                             self.draw(st.integers(0, 2**16), "seed"))
         torch_xla.sync()

@@ -2,7 +2,9 @@
 
 Each example builds a random program of a few steps (elementwise ops,
 reductions, matmuls, casts, views, in-place updates, reads; f32, bf16 and s32
-tensors of a handful of shapes) and runs it twice in lockstep in this process:
+tensors of a handful of small shapes, and now and then a 1024 x 1024 input,
+whose matmuls after a donation or an in-place update would show XLA:CPU
+reading a reused buffer's old contents) and runs it twice in lockstep in this process:
 on a *reference* set of tensors that is never donated, and on a *donating*
 set, where it also calls ``donate_buffer`` on random tensors.  Both sets are
 materialized by the same barriers (one graph holds both programs; only the
@@ -107,7 +109,7 @@ PROFILE = os.environ.get("TDX_FUZZ_PROFILE", "ci")
 # Verdicts and paths every run of at least this many examples must reach.
 MIN_EXAMPLES_FOR_COVERAGE = {"ci": 100, "long": 1000}
 COVERED = ["reads", "donations", "refused", "consumed", "unused", "updated_in_place",
-           "dropped", "deferred"]
+           "dropped", "deferred", "wide_matmuls"]
 
 
 @pytest.fixture(scope="module")
@@ -129,9 +131,10 @@ def fuzz_report(request):
         assert not missing, f"the fuzz run never reached: {missing} ({line})"
 
 
-# A seed whose 150 programs reach every verdict several times (seeds 1, 2, 3,
-# 5 and 7 do; 4 and 6 draw no update in place after marking).
-FUZZ_SEED = int(os.environ.get("TDX_FUZZ_SEED", 7))
+# A seed whose 150 programs reach every verdict several times and run wide
+# matmuls often (seed 2: 66 of them; 5 and 7 reach every verdict with ~12;
+# 1 and 3 draw no update in place after marking).
+FUZZ_SEED = int(os.environ.get("TDX_FUZZ_SEED", 2))
 
 
 @settings(settings.get_profile(PROFILE))
