@@ -11,6 +11,12 @@ alike):
 * ``raw torch_xla``      ``torch_xla._XLAC._set_buffer_donation(t, True)``
                          per tensor, hook removed: donation without checks,
                          verdicts or poisoning;
+* ``floor``              hook removed; only the torch_xla calls that "ours
+                         until committed" needs: one pending-IR query for
+                         the list, then per tensor the donor flag armed just
+                         before the barrier and cleared after it, and one
+                         ``_is_placecholder`` verdict.  What the plugin adds
+                         over this is its own cost;
 * ``donate_buffer``      ``torch_xla_donate.donate_buffer(t)`` per tensor;
 * ``donate(list)``       one ``torch_xla_donate.donate(ts)`` call (the pytree
                          API) per step;
@@ -38,10 +44,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 
-MODES = ["plain, no plugin", "plain", "raw torch_xla", "donate_buffer", "donate(list)",
+MODES = ["plain, no plugin", "plain", "raw torch_xla", "floor", "donate_buffer", "donate(list)",
          "donate_buffer, kept"]
 HOOKED = {"plain", "donate_buffer", "donate(list)", "donate_buffer, kept"}
-TARGET_US = 3.0
+TARGET_US = 1.0  # what the plugin may add over the floor
 
 
 PHASES = ["begin_step", "split_committed", "arm", "disarm_and_poison", "settle_entries"]
@@ -97,6 +103,8 @@ def child(n: int, rounds: int, block: int) -> dict:
 
     gc.callbacks.append(on_gc)
     set_donation = torch_xla._XLAC._set_buffer_donation
+    need_materialization = torch_xla._XLAC._check_tensor_need_materialization
+    is_placeholder = torch_xla._XLAC._is_placecholder
 
     def step(mode):
         nonlocal ts
@@ -114,11 +122,21 @@ def child(n: int, rounds: int, block: int) -> dict:
                 tdx.donate_buffer(t)
         elif mode == "donate(list)":
             tdx.donate(ts)
-        kept = ts if mode == "donate_buffer, kept" else None
+        kept = ts if mode in ("donate_buffer, kept", "floor") else None
         c1 = time.thread_time()
         ts = torch._foreach_add(ts, 1.0)
         c2 = time.thread_time()
-        torch_xla.sync(wait=False)
+        if mode == "floor":  # the calls the design needs, and nothing else
+            need_materialization(kept)
+            for t in kept:
+                set_donation(t, True)
+            torch_xla.sync(wait=False)
+            for t in kept:
+                set_donation(t, False)
+            for t in kept:
+                is_placeholder(t)
+        else:
+            torch_xla.sync(wait=False)
         del kept  # poisoned by now; the hook frees them at the next barrier
         c3, t3 = time.thread_time(), time.perf_counter()
         xm.wait_device_ops()
@@ -182,10 +200,11 @@ def paired(n: int, block_host: dict) -> dict:
         return [at(0.25) * 1e6 / n, at(0.5) * 1e6 / n, at(0.75) * 1e6 / n]
 
     out = {}
-    for m in ("donate_buffer", "donate(list)", "donate_buffer, kept"):
+    for m in ("donate_buffer", "donate(list)", "donate_buffer, kept", "floor"):
         out[m] = {
             base: quartiles([a - b for a, b in zip(block_host[m], block_host[ref])])
-            for base, ref in (("vs_raw", "raw torch_xla"), ("vs_plain", "plain, no plugin"))
+            for base, ref in (("vs_raw", "raw torch_xla"), ("vs_plain", "plain, no plugin"),
+                              ("vs_floor", "floor"))
         }
     return out
 
@@ -200,6 +219,9 @@ def derive(n: int, med: dict, mean_gc: dict, pair: dict) -> dict:
         # the median of the differences paired within rounds (see `paired`),
         # which a drifting machine disturbs less than a difference of medians.
         "added_vs_raw_us_per_tensor": pair["donate_buffer"]["vs_raw"][1],
+        "floor_vs_raw_us_per_tensor": pair["floor"]["vs_raw"][1],
+        "added_vs_floor_us_per_tensor": pair["donate_buffer"]["vs_floor"][1],
+        "donate_list_added_vs_floor_us_per_tensor": pair["donate(list)"]["vs_floor"][1],
         "added_vs_plain_us_per_tensor": pair["donate_buffer"]["vs_plain"][1],
         "donate_list_added_vs_raw_us_per_tensor": pair["donate(list)"]["vs_raw"][1],
         "kept_added_vs_raw_us_per_tensor": pair["donate_buffer, kept"]["vs_raw"][1],
@@ -261,7 +283,10 @@ def main():
         d = r["derived"]
         rows.append([
             r["n"],
-            f"**{q(r, 'donate_buffer')}**",
+            q(r, "floor"),
+            f"**{q(r, 'donate_buffer', 'vs_floor')}**",
+            q(r, "donate(list)", "vs_floor"),
+            q(r, "donate_buffer"),
             q(r, "donate_buffer", "vs_plain"),
             q(r, "donate(list)"),
             f"{q(r, 'donate_buffer, kept')}; poisoning {d['kept_poison_us_per_tensor']:.2f}",
@@ -269,7 +294,9 @@ def main():
             f"{d['hook_fixed_us_per_step']:.0f}",
         ])
     summary = C.table(
-        ["tensors", "donate_buffer adds vs raw", "vs no donation", "donate(list) adds vs raw",
+        ["tensors", "floor adds vs raw", "donate_buffer adds vs floor",
+         "donate(list) adds vs floor", "donate_buffer adds vs raw", "vs no donation",
+         "donate(list) adds vs raw",
          "donate_buffer, old tensors kept, adds vs raw",
          "wall clock vs raw / vs no donation", "idle hook µs/step"],
         rows,
@@ -310,7 +337,8 @@ def main():
     md = (
         f"## Host overhead per donated tensor per step (µs, thread CPU time)\n\n"
         f"Machine: {C.machine_line(machine)}\n\n{summary}\n\n"
-        f"Target: ≤ {TARGET_US} µs per tensor per step.  Host CPU time of a step "
+        f"Target: the plugin adds ≤ {TARGET_US} µs per tensor per step over the floor.  "
+        f"Host CPU time of a step "
         f"(the real barrier excluded), per donated tensor: the median over rounds of "
         f"the difference to the other mode's block in the same round, and in brackets "
         f"the quartiles of those differences (the spread the machine's noise makes).\n\n"

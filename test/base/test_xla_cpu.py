@@ -103,3 +103,23 @@ def test_flag_search_finds_it_in_this_torch_xla(tmp_path):
     assert not xla_cpu.flag_supported(str(without))
     assert xla_cpu.flag_supported(str(with_it))
     assert not xla_cpu.flag_supported(os.devnull)  # empty: nothing to map
+
+
+def test_the_stale_read_repro_is_right_with_the_flag():
+    """tools/repros/xnnpack_stale_read.py with XNNPACK off: the buffer is
+    reused in place and by donation, and every step's loss equals the run
+    that never reuses a buffer, bit for bit (the repro exits 1 otherwise).
+    Without the flag the CPU decides: this VM's AMD EPYC computes right
+    either way (README, "On the CPU backend"), the repro says which."""
+    import subprocess
+    import sys
+
+    repro = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "repros",
+                         "xnnpack_stale_read.py")
+    proc = subprocess.run([sys.executable, repro, "--xnnpack", "off", "--width", "768"],
+                          env=dict(os.environ, PJRT_DEVICE="CPU"), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    assert "xla_cpu_use_xnnpack: false" in proc.stdout
+    assert proc.stdout.count("buffer reused [True, True, True]") == 2
+    assert proc.stdout.count(": OK") == 2
