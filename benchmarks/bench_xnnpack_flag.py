@@ -37,7 +37,8 @@ def child(steps: int) -> dict:
     out = {}
     for case in CASES:
         kind, dtype_name, width = case.split()
-        dtype, width = getattr(torch, dtype_name), int(width)
+        dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+        width = int(width)
         if kind == "matmul":
             a = torch.randn(width, width, generator=gen).to(dtype).to(dev)
             b = torch.randn(width, width, generator=gen).to(dtype).to(dev)
@@ -55,16 +56,17 @@ def child(steps: int) -> dict:
                     h = torch.tanh(h @ w)
                 return torch.autograd.grad((h ** 2).mean(), ws)
         for _ in range(3):  # compile and warm up
-            step()
+            result = step()  # held through the sync: an output, so the graph runs
             torch_xla.sync()
             xm.wait_device_ops()
         times = []
         for _ in range(steps):
             t0 = time.perf_counter()
-            step()
+            result = step()
             torch_xla.sync()
             xm.wait_device_ops()
             times.append(time.perf_counter() - t0)
+        del result
         out[case] = C.median(times)
     return out
 
