@@ -23,8 +23,8 @@ namespace {
 // while holding the GIL and calls no Python code (only torch and torch_xla
 // builtins), so no other Python thread runs in between.  That alone is not
 // enough: another thread may hold the lock in the middle of a commit.  A mark
-// then must wait for the lock, so while any thread holds it (step_hook
-// counts them here) the fast path declines and api.py's slow path takes the
+// then must wait for the lock, so while any thread holds it (_base/lock.py
+// counts them here) the fast path declines and the Python path takes the
 // lock.  The fast path is also closed while donation is switched off: the
 // slow path warns then.
 int g_lock_holders = 0;
@@ -34,6 +34,15 @@ bool g_fast_enabled = false;
 // still sharing its source's buffer is newer (see ownership.py).  Newer
 // tensors go to the Python path, which looks closer.
 int64_t g_settled_ids = -1;
+// True once one of torch_xla's own in-place functions ran since the last
+// barrier (`_xla_optimization_barrier_`, the in-place collectives, the
+// fused optimizer steps: _hooks/executions.py puts a trampoline on each).
+// They give an XLA tensor a pending value without a new id or version, the
+// two things that otherwise answer "pending?" for a functional tensor.
+// Counted: a barrier records the count when it starts and passes it when it
+// has run, so a call racing the barrier from another thread still counts.
+uint64_t g_inplace_calls = 1;
+uint64_t g_inplace_synced = 0;
 
 bool FastPathOpen() {
   return g_lock_holders == 0 && g_fast_enabled && g_hooks.torch_bound() && g_hooks.poison_bound();
@@ -44,7 +53,7 @@ PyObject* FalseClearingErrors() {
   Py_RETURN_FALSE;
 }
 
-// The checks of api._check_donatable that pass for an ordinary donation,
+// The checks of _marking/checks.py check_donatable that pass for an ordinary donation,
 // except the pending-IR and 0-dim ones.  Fills `facts`.  1 pass, 0 fail,
 // -1 error.
 int CommonChecks(PyObject* t, TensorFacts* facts) {
@@ -68,6 +77,7 @@ struct Candidate {
   std::string dtype;
   int64_t nbytes = 0;
   int64_t version = -1;
+  bool is_functional = false;
 };
 
 // The checks (plain XLA tensor, no view, no alias, not held by autograd,
@@ -86,15 +96,21 @@ bool Prepare(PyObject* t, Candidate* c) {
   }
   c->tensor = t;
   c->version = facts.version;
+  c->is_functional = facts.is_functional;
   return true;
 }
 
-// Pending computation?  Asked for every tensor, functional ones included:
-// torch_xla's own in-place functions (`xm.optimization_barrier_`, and the
-// like) give the XLA tensor a pending value without a new id or a new
-// version, so neither Prepare's id check nor the version counter sees it.
-// 1 / 0, -1 on error.
-int Pending(const Candidate& c) { return HasPendingIr(c.tensor); }
+// Does torch_xla have to be asked whether `c` holds pending computation?
+// Not for a functional tensor (torch_xla's default) while none of its own
+// in-place functions ran since the last barrier: computed or updated in
+// place since that barrier, it would wrap an XLA tensor newer than it,
+// which Prepare's id check sends to the Python path.
+bool MustAskPending(const Candidate& c) {
+  return !c.is_functional || g_inplace_calls != g_inplace_synced;
+}
+
+// Pending computation?  1 / 0, -1 on error.
+int Pending(const Candidate& c) { return MustAskPending(c) ? HasPendingIr(c.tensor) : 0; }
 
 Via ViaArg(PyObject* const* args, Py_ssize_t nargs, Py_ssize_t i) {
   if (nargs <= i) return Via::kDonateBuffer;
@@ -113,7 +129,7 @@ void MarkCandidate(Candidate&& c, const FilePtr& file, int line, Via via) {
 
 // try_mark(tensor, where, via=0) -> bool
 //
-// The common case of api._mark in one call: True once `tensor` is marked.
+// The common case of _marking/marks.py mark() in one call: True once `tensor` is marked.
 // False, having changed nothing, whenever anything is unusual (not a plain
 // materialized XLA tensor, views alive, pending computation, already marked,
 // donation switched off, a probe raised): the Python path then redoes
@@ -137,7 +153,7 @@ PyObject* TryMark(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_RETURN_TRUE;
 }
 
-// is_donatable(tensor) -> bool: True if api._check_donatable would pass.
+// is_donatable(tensor) -> bool: True if _marking/checks.py check_donatable would pass.
 // False means "ask the Python checks", which raise the precise error.
 PyObject* IsDonatable(PyObject*, PyObject* t) {
   if (!g_hooks.torch_bound()) Py_RETURN_FALSE;
@@ -164,7 +180,7 @@ PyObject* TryMarkAll(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     PyErr_SetString(PyExc_TypeError, "try_mark_all(list_of_tensors, where, via=0)");
     return nullptr;
   }
-  // Called with step_hook's lock held, so only the switches count here.
+  // Called with the hook lock (_base/lock.py) held, so only the switches count here.
   if (!g_hooks.torch_bound() || !g_hooks.poison_bound() || !g_fast_enabled)
     return PyLong_FromLong(-1);
   FilePtr file;
@@ -182,7 +198,7 @@ PyObject* TryMarkAll(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     }
     Candidate c;
     if (!Prepare(t, &c)) return PyLong_FromLong(-1);
-    probe.append(py::handle(t));                         // see Pending()
+    if (MustAskPending(c)) probe.append(py::handle(t));  // see Pending()
     if (!c.shape.empty()) todo.push_back(std::move(c));  // a scalar is skipped
   }
   if (probe.size() > 0) {
@@ -236,9 +252,19 @@ void RegisterMarking(PyObject* module) {
       "XLA_ENABLE_PARAM_ALIASING).");
   m.def(
       "note_lock", [](bool acquired) { g_lock_holders += acquired ? 1 : -1; }, py::arg("acquired"),
-      "step_hook's lock was acquired (True) or released (False): the fast path "
+      "the hook lock (_base/lock.py) was acquired (True) or released (False): the fast path "
       "declines while anyone holds it.");
   m.def("lock_holders", []() { return g_lock_holders; });
+  m.def(
+      "note_inplace_xlac", []() { ++g_inplace_calls; },
+      "One of torch_xla's in-place functions ran: ask for pending IR again.");
+  m.def(
+      "inplace_calls", []() { return g_inplace_calls; },
+      "How many of torch_xla's in-place functions ran (a barrier notes it when it starts).");
+  m.def(
+      "barrier_passed", [](uint64_t calls) { g_inplace_synced = calls; }, py::arg("calls"),
+      "A barrier that started when `calls` in-place functions had run synced every tensor of "
+      "the only device: what they left pending has run.");
   m.def(
       "set_settled_ids", [](int64_t id) { g_settled_ids = id; }, py::arg("id"),
       "Every XLA tensor with an id up to `id` has its own buffer (set at each barrier).");

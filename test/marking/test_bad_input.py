@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torch_xla
+import torch_xla.core.xla_model as xm
 from helpers import assert_untouched as _untouched
 from helpers import buffer_ptr, materialize, run_python
 
@@ -102,6 +103,33 @@ def test_updated_in_place_since_the_last_step_is_pending(dev):
     with pytest.raises(ValueError, match="pending computation"):
         tdx.donate_buffer(t)
     _untouched(t, torch.full((4,), 2.0))
+
+
+# torch_xla's own in-place functions bypass functionalization: the tensor
+# keeps its torch_xla id and version and gets pending computation all the
+# same, which only torch_xla can tell (marking's fast path asks it again
+# after one of them ran, until the next barrier).
+_INPLACE_BY_TORCH_XLA = {
+    "optimization_barrier_": lambda t: xm.optimization_barrier_([t]),
+    "all_reduce in place": lambda t: xm.all_reduce(xm.REDUCE_SUM, [t]),
+}
+
+
+@pytest.mark.parametrize("how", ["donate_buffer", "donate"])
+@pytest.mark.parametrize("inplace", list(_INPLACE_BY_TORCH_XLA))
+def test_torch_xla_in_place_functions_leave_pending_computation(dev, inplace, how,
+                                                                monkeypatch):
+    monkeypatch.setenv("XLA_ALWAYS_ALLREDUCE", "1")  # world size 1 would skip it
+    t = materialize(torch.arange(4.0, device=dev) + 1)
+    _INPLACE_BY_TORCH_XLA[inplace](t)
+    mark = tdx.donate_buffer if how == "donate_buffer" else lambda x: tdx.donate([x])
+    with pytest.raises(ValueError, match="pending computation"):
+        mark(t)
+    _untouched(t, torch.arange(4.0) + 1)
+    materialize(t)  # the barrier runs what was pending: now it can be donated
+    mark(t)
+    assert tdx.is_donated(t)
+    tdx.undonate(t)
 
 
 def test_transpose_is_a_view_even_after_a_step(dev):

@@ -17,11 +17,19 @@ _XLAC = torch_xla._XLAC
 # torch_xla's own functions, taken before the plugin puts its trampolines in
 # their place (_hooks/executions.py): what the plugin itself calls.  (The
 # benchmarks put a timed wrapper here to time the real barrier.)
+# torch_xla's functions that give an XLA tensor a new value in place,
+# bypassing functionalization: no new torch_xla id, no new version.
+INPLACE_FUNCTIONS = ("_xla_optimization_barrier_", "_xla_all_reduce_inplace",
+                     "_xla_all_gather_out", "_xla_reduce_scatter_out",
+                     "_xla_all_gather_coalesced_out", "_xla_reduce_scatter_coalesced_out",
+                     "_xla_sgd_optimizer_step_", "_xla_adam_optimizer_step_",
+                     "_replace_xla_tensor")
+
 REAL = {
     name: getattr(_XLAC, name)
     for name in ("_set_buffer_donation", "_xla_step_marker", "_xla_sync_multi",
                  "_xla_sync_live_tensors", "_xla_wait_device_ops", "_get_graph_hash",
-                 "_xla_warm_up_cache")
+                 "_xla_warm_up_cache") + INPLACE_FUNCTIONS
     if hasattr(_XLAC, name)
 }
 

@@ -65,11 +65,14 @@ class _Commit:
     donors whose flags are armed, and the warnings held back until the
     commit is whole (messages.Notices)."""
 
-    __slots__ = ("device", "step", "donors", "wait", "notices")
+    __slots__ = ("device", "step", "donors", "wait", "notices", "inplace_calls")
 
     def __init__(self, device, step, donors, wait, notices):
         self.device, self.step, self.donors, self.wait = device, step, donors, wait
         self.notices = notices
+        # torch_xla's in-place functions run so far: this barrier syncs what
+        # they left pending (marking's fast path stops asking once it ran).
+        self.inplace_calls = C.inplace_calls()
 
 
 _FLUSH = object()  # a barrier that commits nothing
@@ -158,6 +161,8 @@ def barrier_after(token, result, error):
             verdicts.failed(token.donors)
             return result
         _devices.note_barrier(token.device)
+        if xla.local_device_count() == 1:
+            C.barrier_passed(token.inplace_calls)
         _devices.dispatched(token.device, token.step if token.wait else token.step - 1)
         finish(token.device, token.donors, token.notices, certain=token.wait)
         return result
@@ -173,7 +178,7 @@ def finish(device, donors, notices, certain: bool) -> None:
     the user still holds and their companions, leave the verdicts in flight.
 
     A donor nothing but its entry refers to is skipped: no code can put it
-    into another graph, and its buffer goes with it (hot_path.cpp).  A donor
+    into another graph, and its buffer goes with it (csrc/hooks/commit.cpp).  A donor
     that cannot be poisoned does not stop the others: a ``TypeError`` naming
     its class is held in ``notices`` and raised once the commit is whole
     (the step's results are intact; operators on the tensor still raise
