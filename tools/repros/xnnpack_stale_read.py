@@ -26,12 +26,29 @@ report says which XLA:CPU options the compiled graphs had (the debug options
 XLA dumps) and whether their optimized HLO holds XNNPACK fusions.  Exit
 status 1 when a variant read stale data.
 
-Measured on 2026-11-24 on this repository's VM (AMD EPYC, AVX-512, 2 CPUs;
-torch_xla 2.9.0): every variant right at widths 256-2048, f32 and bf16, with
-the default settings (the optimized HLO has a plain ``dot``: XNNPACK is not
-used for it on this CPU) and with XNNPACK fusions forced (``greedy``).  The
-bug depends on the CPU; the flag costs nothing measurable here
-(benchmarks/bench_xnnpack_flag.py).
+``--op`` picks what the step reads ``p`` with: ``matmul`` (``x @ p``, p the
+right operand, the default), ``matmul_lhs`` (``p @ x.T``), ``elementwise``
+or ``reduce``.  ``--xnnpack package`` gives no flag and imports
+torch_xla_donate first in each process, as a user does (its import adds the
+flag on the CPU backend).  The XNNPACK-fusion count is no signal: the stale
+runs below compiled with none in their optimized HLO.
+
+Measured on 2026-11-24 on this repository's VM (AMD EPYC with AVX2, no
+AVX-512, 2 CPUs), 3 steps, losses compared bit for bit:
+
+* torch_xla 2.9.0, XLA's defaults: STALE, in place and donated alike, for
+  ``matmul`` in f32 at widths 768, 1024 and 2048; right at 256 and 512, in
+  bf16 (512, 1024), for ``matmul_lhs``, ``elementwise`` and ``reduce`` at
+  every width.  Only the right operand of a dot, f32, from 768 on: what
+  XNNPACK packs ahead of a fully connected op and can keep per address.
+* torch_xla 2.9.0 with ``--xla_cpu_use_xnnpack=false``, or with
+  ``--xnnpack package``: right everywhere.
+* torch_xla 2.8.1 and 2.7.0, their defaults, ``matmul`` f32 at 768 and
+  1024: right (their XLA has XNNPACK off by default).
+
+An earlier VM of this project (AMD EPYC with AVX-512, 2026-11-23/24) computed
+``matmul`` right with 2.9's defaults too: the bug depends on the CPU.  What
+the flag costs: benchmarks/bench_xnnpack_flag.py.
 """
 import argparse
 import glob
@@ -43,12 +60,23 @@ import tempfile
 
 FLAGS = {
     "default": "",
+    "package": "",  # no flag given: torch_xla_donate, imported first, decides
     "off": "--xla_cpu_use_xnnpack=false",
     "greedy": "--xla_cpu_experimental_xnn_graph_fusion_mode=XNN_GRAPH_FUSION_MODE_GREEDY",
 }
 
 
-def child(variant: str, width: int, dtype_name: str, steps: int) -> None:
+# What the step reads ``p`` with: XNNPACK serves dots only, so the other
+# operations are the control (``x`` is f32[64, width]).
+OPS = {
+    "matmul": lambda torch, x, p: torch.tanh(x @ p),      # p as the right operand
+    "matmul_lhs": lambda torch, x, p: torch.tanh(p @ x.T),  # p as the left operand
+    "elementwise": lambda torch, x, p: torch.tanh(p * 3.0 + 1.0),
+    "reduce": lambda torch, x, p: p.sum(dim=0, keepdim=True).tanh(),
+}
+
+
+def child(variant: str, width: int, dtype_name: str, steps: int, op: str = "matmul") -> None:
     import torch
     import torch_xla
     import torch_xla.core.xla_model as xm
@@ -63,7 +91,7 @@ def child(variant: str, width: int, dtype_name: str, steps: int) -> None:
     xm.wait_device_ops()
     losses, reused = [], []
     for s in range(steps):
-        loss = (torch.tanh(xs[s].to(dev) @ p) ** 2).float().mean()
+        loss = (OPS[op](torch, xs[s].to(dev), p) ** 2).float().mean()
         torch_xla.sync()
         xm.wait_device_ops()
         losses.append(loss.item())
@@ -81,12 +109,15 @@ def child(variant: str, width: int, dtype_name: str, steps: int) -> None:
     print(json.dumps({"losses": losses, "reused": reused}))
 
 
-def run(variant, width, dtype, steps, xnnpack):
+def run(variant, width, dtype, steps, xnnpack, op="matmul"):
     with tempfile.TemporaryDirectory() as dump:
         flags = f"{FLAGS[xnnpack]} --xla_dump_to={dump} --xla_dump_hlo_as_text".strip()
         env = dict(os.environ, PJRT_DEVICE="CPU", XLA_FLAGS=flags, TF_CPP_MIN_LOG_LEVEL="2")
-        proc = subprocess.run([sys.executable, __file__, "--child", variant, "--width", str(width),
-                               "--dtype", dtype, "--steps", str(steps)],
+        cmd = [sys.executable, __file__, "--child", variant, "--width", str(width),
+               "--dtype", dtype, "--steps", str(steps), "--op", op]
+        if xnnpack == "package":
+            cmd.append("--import-package")
+        proc = subprocess.run(cmd,
                               env=env, capture_output=True, text=True, timeout=600)
         if proc.returncode != 0:
             raise SystemExit(f"{variant} failed:\n{proc.stderr[-3000:]}")
@@ -109,15 +140,20 @@ def main() -> int:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--xnnpack", default="default", choices=list(FLAGS))
+    parser.add_argument("--op", default="matmul", choices=list(OPS))
+    parser.add_argument("--import-package", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.child[0], args.width, args.dtype, args.steps)
+        if args.import_package:
+            import torch_xla_donate  # noqa: F401  (its import sets XLA_FLAGS on CPU)
+        child(args.child[0], args.width, args.dtype, args.steps, args.op)
         return 0
-    runs = {v: run(v, args.width, args.dtype, args.steps, args.xnnpack)
+    runs = {v: run(v, args.width, args.dtype, args.steps, args.xnnpack, args.op)
             for v in ("plain", "inplace", "donated")}
     reference = runs["plain"]["losses"]
-    print(f"width {args.width}, {args.dtype}, {args.steps} steps, XLA_FLAGS: "
-          f"{FLAGS[args.xnnpack] or '(default)'}")
+    print(f"{args.op}, width {args.width}, {args.dtype}, {args.steps} steps, XLA_FLAGS: "
+          f"{FLAGS[args.xnnpack] or '(default)'}"
+          + (" (torch_xla_donate imported first)" if args.xnnpack == "package" else ""))
     print(f"XLA:CPU options the graphs had: {runs['plain']['xnn_options'] or 'defaults'}; "
           f"XNNPACK fusions in the optimized HLO: {runs['plain']['xnn_fusions']}")
     stale = False
