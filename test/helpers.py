@@ -4,8 +4,51 @@ import subprocess
 import sys
 import textwrap
 
+import torch
 import torch_xla
 import torch_xla.core.xla_model as xm
+
+# -- tensor subclasses the kind tests donate -----------------------------------
+
+
+class Tagged(torch.Tensor):
+    """A plain subclass: donated like a tensor, keeps its methods."""
+
+    def tag(self):
+        return "tagged"
+
+
+class Guarded(torch.Tensor):
+    """Guards its attributes: ``t.__class__ = ...`` raises."""
+
+    def __setattr__(self, name, value):
+        if name == "__class__":
+            raise AttributeError("Guarded tensors keep their class")
+        super().__setattr__(name, value)
+
+
+class Pinned(torch.Tensor):
+    """Says it is a plain tensor: no class can be given to it."""
+
+    @property
+    def __class__(self):
+        return torch.Tensor
+
+
+class Wrapper(torch.Tensor):
+    """A wrapper subclass: no buffer of its own, every op refused."""
+
+    @staticmethod
+    def __new__(cls, inner):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype,
+                                                   device=inner.device)
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(func)
 
 
 def materialize(*tensors):

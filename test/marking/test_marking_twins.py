@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch_xla
 import torch_xla.core.xla_model as xm
-from helpers import materialize
+from helpers import Guarded, Pinned, Tagged, Wrapper, materialize
 
 import torch_xla_donate as tdx
 from torch_xla_donate._base import fast_path
@@ -23,12 +23,26 @@ from torch_xla_donate._base.native import C
 from torch_xla_donate._marking import checks
 
 
-class Tagged(torch.Tensor):
-    pass
-
-
 def _plain(dev, dtype=torch.float32):
     return materialize(torch.ones(4, 4, device=dev).to(dtype))
+
+
+def _subclass(cls):
+    return lambda dev: (torch.Tensor._make_subclass(cls, _plain(dev)), None)
+
+
+def _data_alias(dev):
+    t = _plain(dev)
+    return t, t.data  # a second tensor on the same storage
+
+
+def _wrapping_parameter(dev):
+    t = _plain(dev)
+    return torch.nn.Parameter(t), t  # the parameter shares the live tensor's storage
+
+
+def _moved(dev):
+    return torch.arange(16.0).reshape(4, 4).to(dev), None  # no step since
 
 
 def _saved_for_backward(dev):
@@ -67,12 +81,28 @@ KINDS = {
     "f32": (lambda dev: (_plain(dev), None), True),
     "bf16": (lambda dev: (_plain(dev, torch.bfloat16), None), True),
     "s32": (lambda dev: (_plain(dev, torch.int32), None), True),
+    "s64": (lambda dev: (_plain(dev, torch.int64), None), True),
+    "bool": (lambda dev: (_plain(dev, torch.bool), None), True),
+    "u8": (lambda dev: (_plain(dev, torch.uint8), None), True),
+    "c64": (lambda dev: (_plain(dev, torch.complex64), None), True),
+    "moved to the device": (_moved, False),
     "parameter": (lambda dev: (torch.nn.Parameter(_plain(dev)), None), True),
     "leaf requiring grad": (lambda dev: (_plain(dev).requires_grad_(), None), True),
     "zero-size": (lambda dev: (materialize(torch.empty(0, device=dev)), None), True),
-    "subclass": (lambda dev: (torch.Tensor._make_subclass(Tagged, _plain(dev)), None), False),
+    "subclass": (_subclass(Tagged), False),
+    "subclass guarding its class": (_subclass(Guarded), False),
+    "subclass pinning its class": (_subclass(Pinned), False),
+    "wrapper subclass": (lambda dev: (Wrapper(_plain(dev)), None), False),
+    "as_subclass": (lambda dev: (_plain(dev).as_subclass(Tagged), None), False),
     "0-dim": (lambda dev: (materialize(torch.ones((), device=dev) * 2), None), False),
     "view": (lambda dev: (_plain(dev)[0:2], None), False),
+    "transpose": (lambda dev: (_plain(dev).t(), None), False),
+    "expand": (lambda dev: (_plain(dev)[0:1].expand(3, 4), None), False),
+    "permute": (lambda dev: (_plain(dev).permute(1, 0), None), False),
+    ".data alias": (_data_alias, False),
+    "parameter wrapping a live tensor": (_wrapping_parameter, False),
+    "not a tensor": (lambda dev: ([1.0, 2.0], None), False),
+    "None": (lambda dev: (None, None), False),
     "pending": (lambda dev: (torch.ones(4, device=dev) * 2, None), False),
     "cpu": (lambda dev: (torch.ones(4), None), False),
     "live view": (lambda dev: _with_view(dev), False),
@@ -141,6 +171,9 @@ def test_the_fast_path_and_the_python_path_decide_alike(dev, kind, fast_path_clo
         return mark
 
     native = C.is_donatable(fast_t) if isinstance(fast_t, torch.Tensor) else False
+    probe = _plain(dev)  # the fast arm really runs the fast path: it takes a plain tensor
+    assert C.try_mark(probe, 1) is True, "the fast path is closed"
+    C.unmark(probe)
     fast = _outcome(donate(fast_t))
     with fast_path_closed:
         slow = _outcome(donate(slow_t))

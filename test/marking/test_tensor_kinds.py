@@ -7,8 +7,8 @@ tensor is untouched (test_bad_input.py's rule).
 import pytest
 import torch
 import torch_xla
+from helpers import Guarded, Pinned, Tagged, Wrapper, buffer_ptr, materialize
 from helpers import assert_untouched as _untouched
-from helpers import buffer_ptr, materialize
 
 import torch_xla_donate as tdx
 from torch_xla_donate import _C
@@ -173,11 +173,6 @@ def test_tensor_moved_to_the_device_needs_no_step(dev):
 # -- tensor subclasses ---------------------------------------------------------
 
 
-class Tagged(torch.Tensor):
-    def tag(self):
-        return "tagged"
-
-
 def test_as_subclass_is_a_view_and_says_so(dev):
     t = torch.ones(4, device=dev).as_subclass(Tagged)
     torch_xla.sync()
@@ -200,19 +195,6 @@ def test_subclass_sharing_the_tensor_can_be_donated_and_keeps_its_methods(dev):
 
 
 def test_wrapper_subclass_has_no_buffer_of_its_own(dev):
-    class Wrapper(torch.Tensor):
-        @staticmethod
-        def __new__(cls, inner):
-            return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype,
-                                                       device=inner.device)
-
-        def __init__(self, inner):
-            self.inner = inner
-
-        @classmethod
-        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-            raise NotImplementedError(func)
-
     inner = materialize(torch.ones(4, device=dev))
     w = Wrapper(inner)
     with pytest.raises(TypeError, match="Wrapper is a tensor subclass with its own __torch_dispatch__.*"
@@ -223,23 +205,6 @@ def test_wrapper_subclass_has_no_buffer_of_its_own(dev):
     tdx.donate_buffer(w.inner)  # the advice works
     assert tdx.is_donated(inner)
     tdx.undonate(inner)
-
-
-class Guarded(torch.Tensor):
-    """Guards its attributes: ``t.__class__ = ...`` raises."""
-
-    def __setattr__(self, name, value):
-        if name == "__class__":
-            raise AttributeError("Guarded tensors keep their class")
-        super().__setattr__(name, value)
-
-
-class Pinned(torch.Tensor):
-    """Says it is a plain tensor: no class can be given to it."""
-
-    @property
-    def __class__(self):
-        return torch.Tensor
 
 
 def test_subclass_guarding_its_class_is_poisoned_all_the_same(dev):
