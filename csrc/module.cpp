@@ -216,7 +216,7 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("bind", &Bind,
         "Hands the hot path the torch / torch_xla / poison callables it needs "
-        "(called by _xla.py and poison.py at import).");
+        "(called by _base/xla.py and _outcomes/poison.py at import).");
 
   // poison.py's and ownership.py's access to the TensorImpl (c10 headers).
   m.def(

@@ -1,4 +1,4 @@
-"""Replays programs recorded by test/test_fuzz.py (``TDX_FUZZ_TRACE=file``)
+"""Replays programs recorded by test/scenarios/test_fuzz.py (``TDX_FUZZ_TRACE=file``)
 in one fresh process, in order, and stops at the first failure.
 
     PJRT_DEVICE=CPU .venv/bin/python tools/fuzz_replay.py TRACE [--no-donate] [--keep 3,4]

@@ -91,7 +91,7 @@ bool IsDonatedType(PyObject* t) {
 
 // Only plain tensors and parameters take the fast path: every other class
 // (a user subclass, a wrapper subclass with __torch_dispatch__, a poisoned
-// tensor) has its own checks in api.py.
+// tensor) has its own checks in _marking/checks.py.
 bool IsPlainTensor(PyObject* t) {
   if (!g_hooks.fast_types) return IsTensor(t) && !IsDonatedType(t);
   PyObject* types = g_hooks.fast_types;
@@ -118,7 +118,7 @@ int Facts(PyObject* t, TensorFacts* facts, bool with_sizes) {
 
 long StorageUseCount(PyObject* t, int read, const TensorFacts& facts) {
   if (read == 1 && facts.storage_use_count > 0) return facts.storage_use_count;
-  // torch._C._storage_Use_Count(t.untyped_storage()._cdata), as _xla.py's
+  // torch._C._storage_Use_Count(t.untyped_storage()._cdata), as _base/xla.py
   // storage_use_count, for what tensor_facts cannot read.
   PyObject* storage = PyObject_CallMethodNoArgs(t, N().untyped_storage);
   if (!storage) return -1;

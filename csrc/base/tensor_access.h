@@ -4,7 +4,7 @@
 // are answered by torch's c10 headers (tensor_facts.h).  Questions for
 // torch_xla go through Python callables that torch_xla_donate._xla hands
 // over at import (`_C.bind`): torch_xla's wheel ships no C++ headers, and
-// keeping every torch_xla call named in _xla.py keeps an upgrade's breakage
+// keeping every torch_xla call named in _base/xla.py keeps an upgrade's breakage
 // in one place.  What C++ saves is the interpreter work around those calls:
 // with thousands of donated tensors per step, a Python loop costs more than
 // the torch_xla calls it makes.

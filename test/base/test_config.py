@@ -149,7 +149,7 @@ def test_strict_open_verdict_raises_at_the_next_barrier_after_its_step_ran(dev, 
     _assert_next_step_consumes(x)
 
 
-def test_strict_open_verdict_raises_at_settle_in_flight(dev, strict):
+def test_strict_open_verdict_raises_at_settle(dev, strict):
     x, y = materialize(torch.arange(3.0, device=dev), torch.ones(3, device=dev))
     tdx.donate_buffer(x)
     z = y + 1

@@ -262,7 +262,7 @@ def test_out_of_memory_surfacing_at_is_deleted(dev, strict):
     _assert_next_step_works(p, ptr)
 
 
-def test_out_of_memory_surfacing_at_settle_in_flight(dev, strict):
+def test_out_of_memory_surfacing_at_settle(dev, strict):
     p, expected, ptr = _state(dev)
     step_no = _failing_async_step(dev, p)
     _surfaces_at(tdx.settle)

@@ -41,13 +41,13 @@ Run it:
 
 * CI (the default, ``TDX_FUZZ_PROFILE=ci``: a fixed set of 150 examples)::
 
-    PJRT_DEVICE=CPU .venv/bin/python -m pytest -q test/test_fuzz.py
+    PJRT_DEVICE=CPU .venv/bin/python -m pytest -q test/scenarios/test_fuzz.py
 
 * long run (random examples; failures are saved in ``.hypothesis/`` and
   replayed first next time)::
 
     TDX_FUZZ_PROFILE=long TDX_FUZZ_EXAMPLES=100 PJRT_DEVICE=CPU \\
-        .venv/bin/python -m pytest -q -s -x test/test_fuzz.py
+        .venv/bin/python -m pytest -q -s -x test/scenarios/test_fuzz.py
 
   in a loop of fresh processes (README.md, "Reliability"): in one process,
   torch_xla 2.9 itself goes wrong after some hundreds of examples, with no

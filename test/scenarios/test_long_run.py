@@ -15,7 +15,7 @@ After a warm-up, nothing may grow with the number of steps:
 ``TDX_LONG_RUN_STEPS`` sets the number of steps (default 10,000: about 10 s
 here, so CI runs all of them).  Set it higher for a soak test::
 
-    TDX_LONG_RUN_STEPS=200000 PJRT_DEVICE=CPU .venv/bin/python -m pytest -q -s test/test_long_run.py
+    TDX_LONG_RUN_STEPS=200000 PJRT_DEVICE=CPU .venv/bin/python -m pytest -q -s test/scenarios/test_long_run.py
 """
 import gc
 import os

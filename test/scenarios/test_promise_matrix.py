@@ -25,7 +25,7 @@ of running with grad on, and the crosses users hit most (an update under
 ``no_grad`` compiled, in a step block, in a thread, not waited for).  The
 long form runs the whole cross product::
 
-    TDX_MATRIX=full PJRT_DEVICE=CPU .venv/bin/python -m pytest -q test/test_promise_matrix.py
+    TDX_MATRIX=full PJRT_DEVICE=CPU .venv/bin/python -m pytest -q test/scenarios/test_promise_matrix.py
 """
 import os
 import threading

@@ -69,6 +69,25 @@ def donate_buffer(tensor: torch.Tensor) -> None:
 def is_donated(tensor: torch.Tensor) -> bool:
     """True while ``tensor`` is marked and waiting for the next step.
 
+    The tricky case: a mark is the plugin's until an execution commits it,
+    so torch_xla's own donor flag (``_get_buffer_donation``) stays False
+    while this says True.
+
+    >>> import torch, torch_xla
+    >>> t = torch.ones(4, device=torch_xla.device()) * 2
+    >>> torch_xla.sync()
+    >>> donate_buffer(t); is_donated(t), torch_xla._XLAC._get_buffer_donation(t)
+    (True, False)
+    >>> from torch_xla_donate import undonate
+    >>> undonate(t), is_donated(t)
+    (True, False)
+
+    Args:
+      tensor: any torch.Tensor.
+
+    Returns:
+      Whether ``tensor`` is marked for the next execution that commits marks.
+
     Raises:
       TypeError: ``tensor`` is not a torch.Tensor.
     """
@@ -80,7 +99,28 @@ def is_deleted(tensor: torch.Tensor) -> bool:
     """True if a step consumed ``tensor``'s buffer through donation.
 
     May wait for the device: right after ``sync(wait=False)`` whether XLA
-    took the buffer is not known until the step has been dispatched.
+    took the buffer is not known until the step has been dispatched.  A
+    donation no output could take leaves the tensor as it was (``b``):
+
+    >>> import torch, torch_xla
+    >>> a = torch.ones(4, device=torch_xla.device()) * 2
+    >>> b = torch.ones(3, device=torch_xla.device()) * 2
+    >>> torch_xla.sync()
+    >>> donate_buffer(a); donate_buffer(b)
+    >>> new_a, new_b = a + 1, b.sum().reshape(1)  # no output of b's 12 bytes
+    >>> import warnings, torch_xla_donate
+    >>> with warnings.catch_warnings():
+    ...     warnings.simplefilter("ignore")  # b's UnusedDonationWarning
+    ...     torch_xla.sync(); torch_xla_donate.settle()
+    >>> is_deleted(a), is_deleted(b), b.cpu().tolist()
+    (True, False, [2.0, 2.0, 2.0])
+
+    Args:
+      tensor: any torch.Tensor.
+
+    Returns:
+      Whether a step's output took ``tensor``'s buffer (then any use of
+      ``tensor`` raises ``DonatedBufferError``).
 
     Raises:
       TypeError: ``tensor`` is not a torch.Tensor.

@@ -43,6 +43,7 @@ line of user code that called ``donate`` (or a ``donating`` function), not at
 this module.
 """
 import warnings
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -60,7 +61,7 @@ from .marks import mark
 __all__ = ["donate", "undonate", "donate_named", "tensors_in", "check_root"]
 
 
-def donate(tree) -> int:
+def donate(tree: Any) -> int:
     """Donates every tensor leaf of ``tree`` to the outputs of the next step.
 
     Args:
@@ -85,7 +86,7 @@ def donate(tree) -> int:
     return donate_named([(_root_label(tree), tree)], user_site(), Via.DONATE)
 
 
-def undonate(tree):
+def undonate(tree: Any) -> bool | int:
     """Cancels marks made before the step.
 
     Args:

@@ -7,7 +7,7 @@ abandons its own donations: STEP_FAILED, value kept.
 A step dispatched with ``sync(wait=False)`` can fail later, while running.
 torch_xla then reports the error once, at the next barrier or wait for the
 device, whoever comes first: our barrier, our own wait when a verdict is
-settled (a use of the tensor, ``is_deleted``, ``settle_in_flight``), or the
+settled (a use of the tensor, ``is_deleted``, ``settle``), or the
 user's ``xm.wait_device_ops()``, which the plugin routes through ``wait_*``
 here.  A donated input of a failed step is not deleted, which alone would
 read "unused"; so every failure seen marks the steps committed so far as
