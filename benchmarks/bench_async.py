@@ -7,8 +7,12 @@ plugin may not block to learn a verdict (it learns it at the next barrier).
 
 Workloads: many small tensors (host-bound: 400 x 64 KiB) and a few large
 ones (device-bound: 16 x 16 MiB).  Modes: no donation, ``donate_buffer`` per
-tensor, ``donate(list)`` once per step, and torch_xla's raw
-``_set_buffer_donation`` for reference.  One process per workload and
+tensor, ``donate(list)`` once per step, torch_xla's raw
+``_set_buffer_donation`` (the reference: donation with no checks, verdicts
+or poisoning), and ``floor``: only the torch_xla calls that "ours until
+committed" needs (one pending-IR query for the list, the donor flag armed
+just before the barrier and cleared after it, one ``_is_placecholder`` per
+tensor), with raw's loop otherwise.  One process per workload and
 repeat runs every mode, in windows of steps taken round-robin (so the drift
 of a shared machine, and the luck of a process's memory layout, hit every
 mode alike); throughput is steps per second over a window, the wait for the
@@ -30,8 +34,9 @@ WORKLOADS = {
     "400 x 64 KiB (host-bound)": (400, 16 * 1024),
     "16 x 16 MiB (device-bound)": (16, 4 * 1024 * 1024),
 }
-MODES = ["no donation", "donate_buffer", "donate(list)", "raw _set_buffer_donation"]
-TARGET = 0.95
+RAW = "raw _set_buffer_donation"
+MODES = ["no donation", "donate_buffer", "donate(list)", RAW, "floor"]
+TARGET = 0.98  # of raw donation's throughput
 
 
 def child(count: int, numel: int, windows: int, steps: int) -> dict:
@@ -46,6 +51,8 @@ def child(count: int, numel: int, windows: int, steps: int) -> dict:
     torch_xla.sync()
     xm.wait_device_ops()
     set_donation = torch_xla._XLAC._set_buffer_donation
+    need_materialization = torch_xla._XLAC._check_tensor_need_materialization
+    is_placeholder = torch_xla._XLAC._is_placecholder
 
     taken = 0
 
@@ -57,11 +64,23 @@ def child(count: int, numel: int, windows: int, steps: int) -> dict:
                 tdx.donate_buffer(p)
         elif mode == "donate(list)":
             tdx.donate(state)
-        elif mode == "raw _set_buffer_donation":
+        elif mode == RAW:
             for p in state:
                 set_donation(p, True)
+        old = state
         state = [p - 0.01 * (p * 0.5 + 0.1) for p in state]
-        torch_xla.sync(wait=False)
+        if mode == "floor":  # the calls the design needs, and nothing else
+            need_materialization(old)
+            for p in old:
+                set_donation(p, True)
+            torch_xla.sync(wait=False)
+            for p in old:
+                set_donation(p, False)
+            for p in old:
+                is_placeholder(p)
+        else:
+            torch_xla.sync(wait=False)
+        del old
 
     for mode in MODES:  # compile every mode's graph before measuring
         for _ in range(5):
@@ -115,20 +134,28 @@ def main():
             rate = C.median([r["steps_per_s"][mode] for r in procs])
             ratio = C.median([r["steps_per_s"][mode] / r["steps_per_s"]["no donation"]
                               for r in procs])
+            vs_raw = C.median([r["steps_per_s"][mode] / r["steps_per_s"][RAW] for r in procs])
             spread = [round(100 * r["steps_per_s"][mode] / r["steps_per_s"]["no donation"])
                       for r in procs]
+            raw_spread = [round(100 * r["steps_per_s"][mode] / r["steps_per_s"][RAW])
+                          for r in procs]
             summary[f"{wname} | {mode}"] = {"steps_per_s": rate, "vs_no_donation": ratio,
-                                            "vs_no_donation_per_process_pct": spread}
-            rows.append([wname, mode, f"{rate:.1f}", f"{100 * ratio:.0f}%",
-                         " ".join(f"{p}%" for p in spread)])
+                                            "vs_raw": vs_raw,
+                                            "vs_no_donation_per_process_pct": spread,
+                                            "vs_raw_per_process_pct": raw_spread}
+            rows.append([wname, mode, f"{rate:.1f}", f"{100 * ratio:.1f}%", f"{100 * vs_raw:.1f}%",
+                         " ".join(f"{p}%" for p in raw_spread)])
         wrong = [r["value"] for r in procs if abs(r["value"] - r["expected"]) > 1e-4]
-        ratio = summary[f"{wname} | donate_buffer"]["vs_no_donation"]
+        ratio = summary[f"{wname} | donate_buffer"]["vs_raw"]
+        plain = summary[f"{wname} | donate_buffer"]["vs_no_donation"]
         verdicts.append(
-            f"- {wname}: donate_buffer runs at {100 * ratio:.1f}% of the loop without donation: "
-            f"{'target met' if ratio >= TARGET else 'TARGET MISSED'} (≥ {100 * TARGET:.0f}%)."
+            f"- {wname}: donate_buffer runs at {100 * ratio:.1f}% of raw donation's throughput "
+            f"({100 * plain:.1f}% of no donation): "
+            f"{'target met' if ratio >= TARGET else 'TARGET MISSED'} (≥ {100 * TARGET:.0f}% of raw)."
             + ("" if not wrong else f" WRONG VALUES (not the update's closed form): {wrong}")
         )
-    text = C.table(["workload", "mode", "steps/s", "vs no donation", "per process"], rows)
+    text = C.table(["workload", "mode", "steps/s", "vs no donation", "vs raw donation",
+                    "vs raw, per process"], rows)
     md = (
         f"## Throughput of a loop that never waits (`torch_xla.sync(wait=False)`)\n\n"
         f"Machine: {C.machine_line(machine)}\n\n{text}\n\n" + "\n".join(verdicts) + "\n"
@@ -141,15 +168,18 @@ def main():
 def chart(summary):
     plt = C.pyplot()
     fig, ax = plt.subplots(figsize=(8, 4))
-    w = 0.2
-    colors = ["#999999", "#1f77b4", "#2ca02c", "#aec7e8"]
+    w = 0.16
+    colors = ["#999999", "#1f77b4", "#2ca02c", "#aec7e8", "#ff7f0e"]
     for i, mode in enumerate(MODES):
         vals = [100 * summary[f"{wl} | {mode}"]["vs_no_donation"] for wl in WORKLOADS]
-        xs = [j + (i - 1.5) * w for j in range(len(WORKLOADS))]
+        xs = [j + (i - 2) * w for j in range(len(WORKLOADS))]
         ax.bar(xs, vals, w, label=mode, color=colors[i])
         for x, v in zip(xs, vals):
             ax.text(x, v + 1, f"{v:.0f}", ha="center", fontsize=7)
-    ax.axhline(100 * TARGET, color="red", linestyle="--", linewidth=1, label=f"target {100 * TARGET:.0f}%")
+    raw = [100 * summary[f"{wl} | {RAW}"]["vs_no_donation"] for wl in WORKLOADS]
+    for j, r in enumerate(raw):
+        ax.hlines(TARGET * r, j - 2.5 * w, j + 2.5 * w, color="red", linestyle="--", linewidth=1,
+                  label=f"target: {100 * TARGET:.0f}% of raw" if j == 0 else None)
     ax.set_xticks(range(len(WORKLOADS)))
     ax.set_xticklabels(list(WORKLOADS))
     ax.set_ylabel("steps/s, % of the loop without donation")
