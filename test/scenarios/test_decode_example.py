@@ -91,8 +91,10 @@ def test_the_donated_cache_costs_no_second_copy_at_peak(runs, kind):
     plain = _number(grew, runs[f"{kind}, no donation"][0])
     # Without donation a step holds the old and the new cache; with it, the
     # new cache is written over the old one (what remains is the prefill's
-    # attention scores and noise).
-    assert donated < cache < plain, (donated, cache, plain)
+    # attention scores and noise).  The plain run's growth is about one cache
+    # (torch_xla 2.7 compiled: 60 MiB for a 64 MiB cache) or more.
+    assert donated < cache and donated < plain / 2, (donated, cache, plain)
+    assert plain > 0.75 * cache, (donated, cache, plain)
 
 
 @pytest.mark.parametrize("mode", list(MODES))

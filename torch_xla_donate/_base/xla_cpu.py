@@ -28,32 +28,47 @@ gives a ``StaleReadWarning`` naming the flag; nothing is changed silently.
 ``TORCH_XLA_DONATE_CPU_XNNPACK=keep`` leaves ``XLA_FLAGS`` alone (and warns
 as above).
 
+Releases
+--------
+torch_xla 2.7 and 2.8 build XLA with XNNPACK off by default (measured: their
+compiled graphs list no XNNPACK option, even when the flag sets it off, and
+the repro computes right): there nothing is added and nothing is owed,
+unless ``XLA_FLAGS`` turns XNNPACK on.
+
 >>> decide("CPU", "", runtime_started=False, supported=True, keep=False)
 'add'
 >>> decide("CPU", "--xla_cpu_use_xnnpack=true", runtime_started=False, supported=True, keep=False)
 'warn'
 >>> decide("CUDA", "", runtime_started=False, supported=True, keep=False)
 'none'
+>>> decide("CPU", "", runtime_started=True, supported=True, keep=False, default_on=False)
+'off by default'
 """
 import logging
 import mmap
 import os
 import warnings
 
+import torch_xla
+
 from .errors import StaleReadWarning
 from .sites import user_stacklevel
 
 __all__ = ["FLAG", "protect_at_import", "decide", "chosen_value", "flag_supported",
-           "warn_if_unprotected", "warning_due", "state"]
+           "on_by_default", "warn_if_unprotected", "warning_due", "state"]
 
 FLAG = "--xla_cpu_use_xnnpack"
 KEEP_ENV = "TORCH_XLA_DONATE_CPU_XNNPACK"
 
 _log = logging.getLogger("torch_xla_donate")
 
+# The first torch_xla release whose XLA:CPU has XNNPACK on by default.
+FIRST_RELEASE_ON_BY_DEFAULT = (2, 9)
+
 # What the import decided: "added", "chosen" (XLA_FLAGS decides it, off),
-# "warn" (unprotected: warn at the first donation), "none" (not the CPU
-# backend, or this XLA has no XNNPACK switch).
+# "warn" (unprotected: warn at the first donation), "off by default" (this
+# release's XLA has it off), "none" (not the CPU backend, or this XLA has no
+# XNNPACK switch).
 _state = "none"
 _warned = False
 
@@ -78,11 +93,25 @@ def chosen_value(xla_flags: str):
     return value
 
 
+def on_by_default(torch_xla_version: str) -> bool:
+    """Whether this torch_xla release's XLA:CPU has XNNPACK on by default.
+
+    >>> on_by_default("2.9.0"), on_by_default("2.8.1+neuron"), on_by_default("2.10.0")
+    (True, False, True)
+    """
+    parts = []
+    for piece in torch_xla_version.split("+")[0].split(".")[:2]:
+        digits = "".join(c for c in piece if c.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts) >= FIRST_RELEASE_ON_BY_DEFAULT
+
+
 def decide(device: str, xla_flags: str, *, runtime_started: bool, supported: bool,
-           keep: bool) -> str:
+           keep: bool, default_on: bool = True) -> str:
     """What to do at import: ``"add"`` the flag, ``"warn"`` at the first
-    donation, ``"chosen"`` (the user switched XNNPACK off already) or
-    ``"none"`` (not XLA:CPU, or no such switch in this XLA)."""
+    donation, ``"chosen"`` (the user switched XNNPACK off already), ``"off
+    by default"`` (this release's XLA has it off and ``XLA_FLAGS`` does not
+    turn it on) or ``"none"`` (not XLA:CPU, or no such switch in this XLA)."""
     if device.upper() != "CPU":
         return "none"
     value = chosen_value(xla_flags)
@@ -90,7 +119,11 @@ def decide(device: str, xla_flags: str, *, runtime_started: bool, supported: boo
         return "chosen"
     if not supported:
         return "none"
-    if value is True or runtime_started or keep:
+    if value is True:
+        return "warn"
+    if not default_on:
+        return "off by default"
+    if runtime_started or keep:
         return "warn"
     return "add"
 
@@ -123,7 +156,8 @@ def protect_at_import(xlac) -> str:
     undecided = device.upper() == "CPU" and chosen_value(xla_flags) is not False
     decision = decide(device, xla_flags, runtime_started=_runtime_started(xlac),
                       supported=undecided and flag_supported(xlac.__file__),
-                      keep=os.environ.get(KEEP_ENV, "").strip().lower() == "keep")
+                      keep=os.environ.get(KEEP_ENV, "").strip().lower() == "keep",
+                      default_on=on_by_default(getattr(torch_xla, "__version__", "")))
     if decision == "add":
         os.environ["XLA_FLAGS"] = f"{xla_flags} {FLAG}=false".strip()
         _log.info("added %s=false to XLA_FLAGS: XLA:CPU's XNNPACK can compute with a "
@@ -135,7 +169,7 @@ def protect_at_import(xlac) -> str:
 
 
 def state() -> str:
-    """What the import decided: added, chosen, warn or none."""
+    """What the import decided: added, chosen, warn, off by default or none."""
     return _state
 
 
