@@ -44,7 +44,8 @@ AVX-512, 2 CPUs), 3 steps, losses compared bit for bit:
 * torch_xla 2.9.0 with ``--xla_cpu_use_xnnpack=false``, or with
   ``--xnnpack package``: right everywhere.
 * torch_xla 2.8.1 and 2.7.0, their defaults, ``matmul`` f32 at 768 and
-  1024: right (their XLA has XNNPACK off by default).
+  1024: right.  2.8's XLA has XNNPACK off by default (its graphs list the
+  option only when set on); 2.7's writes no options file to tell.
 
 An earlier VM of this project (AMD EPYC with AVX-512, 2026-11-23/24) computed
 ``matmul`` right with 2.9's defaults too: the bug depends on the CPU.  What

@@ -30,9 +30,9 @@ as above).
 
 Releases
 --------
-torch_xla 2.7 and 2.8 build XLA with XNNPACK off by default (measured: their
-compiled graphs list no XNNPACK option, even when the flag sets it off, and
-the repro computes right): there nothing is added and nothing is owed,
+torch_xla 2.7 and 2.8 build XLA with XNNPACK off by default (measured: 2.8's
+compiled graphs list the option only when the flag sets it on, and the
+repro computes right on both): there nothing is added and nothing is owed,
 unless ``XLA_FLAGS`` turns XNNPACK on.
 
 >>> decide("CPU", "", runtime_started=False, supported=True, keep=False)
