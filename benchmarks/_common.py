@@ -121,6 +121,23 @@ def round_robin(modes, r):
     return modes[k:] + modes[:k]
 
 
+def floor_sync(xlac, donors, sync) -> None:
+    """One barrier with only the torch_xla calls that keeping marks "ours
+    until committed" needs, and no plugin: one pending-IR query for the
+    list, the donor flag armed just before the barrier and cleared after
+    it, and one ``_is_placecholder`` verdict per donor.  ``sync`` runs the
+    barrier.  What the plugin adds over this is its own cost."""
+    set_donation, is_placeholder = xlac._set_buffer_donation, xlac._is_placecholder
+    xlac._check_tensor_need_materialization(donors)
+    for t in donors:
+        set_donation(t, True)
+    sync()
+    for t in donors:
+        set_donation(t, False)
+    for t in donors:
+        is_placeholder(t)
+
+
 def table(headers, rows) -> str:
     """A GitHub-flavoured markdown table, also readable on a terminal."""
     cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]

@@ -51,8 +51,6 @@ def child(count: int, numel: int, windows: int, steps: int) -> dict:
     torch_xla.sync()
     xm.wait_device_ops()
     set_donation = torch_xla._XLAC._set_buffer_donation
-    need_materialization = torch_xla._XLAC._check_tensor_need_materialization
-    is_placeholder = torch_xla._XLAC._is_placecholder
 
     taken = 0
 
@@ -70,14 +68,7 @@ def child(count: int, numel: int, windows: int, steps: int) -> dict:
         old = state
         state = [p - 0.01 * (p * 0.5 + 0.1) for p in state]
         if mode == "floor":  # the calls the design needs, and nothing else
-            need_materialization(old)
-            for p in old:
-                set_donation(p, True)
-            torch_xla.sync(wait=False)
-            for p in old:
-                set_donation(p, False)
-            for p in old:
-                is_placeholder(p)
+            C.floor_sync(torch_xla._XLAC, old, lambda: torch_xla.sync(wait=False))
         else:
             torch_xla.sync(wait=False)
         del old

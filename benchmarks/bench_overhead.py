@@ -103,8 +103,6 @@ def child(n: int, rounds: int, block: int) -> dict:
 
     gc.callbacks.append(on_gc)
     set_donation = torch_xla._XLAC._set_buffer_donation
-    need_materialization = torch_xla._XLAC._check_tensor_need_materialization
-    is_placeholder = torch_xla._XLAC._is_placecholder
 
     def step(mode):
         nonlocal ts
@@ -127,14 +125,7 @@ def child(n: int, rounds: int, block: int) -> dict:
         ts = torch._foreach_add(ts, 1.0)
         c2 = time.thread_time()
         if mode == "floor":  # the calls the design needs, and nothing else
-            need_materialization(kept)
-            for t in kept:
-                set_donation(t, True)
-            torch_xla.sync(wait=False)
-            for t in kept:
-                set_donation(t, False)
-            for t in kept:
-                is_placeholder(t)
+            C.floor_sync(torch_xla._XLAC, kept, lambda: torch_xla.sync(wait=False))
         else:
             torch_xla.sync(wait=False)
         del kept  # poisoned by now; the hook frees them at the next barrier
