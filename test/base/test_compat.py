@@ -17,13 +17,13 @@ from torch_xla_donate._outcomes import ownership
 
 
 def _release():
-    return _compat._release(torch_xla.__version__)
+    return _compat.release(torch_xla.__version__)
 
 
 def test_this_release_is_supported_and_the_version_is_visible():
     assert _release() in _compat.SUPPORTED
     assert tdx.__version__ and "__version__" in tdx.__all__
-    assert _compat._release(torch.__version__) == _release()
+    assert _compat.release(torch.__version__) == _release()
 
 
 @pytest.mark.parametrize("torch_version, xla_version, message", [

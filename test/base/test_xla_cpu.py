@@ -12,12 +12,12 @@ import pytest
 import torch_xla
 from helpers import run_python
 
-from torch_xla_donate._base import xla_cpu
+from torch_xla_donate._base import compat, xla_cpu
 
 # torch_xla 2.9's XLA:CPU has XNNPACK on by default, 2.7's and 2.8's off.
 ON_BY_DEFAULT = xla_cpu.on_by_default(torch_xla.__version__)
 # ... and from 2.8 on, XLA dumps the options a graph was compiled with.
-DUMPS_OPTIONS = tuple(int(p) for p in torch_xla.__version__.split("+")[0].split(".")[:2]) >= (2, 8)
+DUMPS_OPTIONS = compat.release(torch_xla.__version__) >= (2, 8)
 
 # Prints a JSON line: what the import decided, XLA_FLAGS after it, the
 # StaleReadWarnings of two donations and the debug options of the graphs.
@@ -119,10 +119,6 @@ def test_flag_search_finds_it_in_this_torch_xla(tmp_path):
     """The search that decides whether XLA knows the flag finds it in the
     wheel's library, and only there: the import must never add a flag an
     XLA without it would abort on."""
-    import torch_xla
-
-    from torch_xla_donate._base import xla_cpu
-
     assert xla_cpu.flag_supported(torch_xla._XLAC.__file__)
     without = tmp_path / "without.so"
     without.write_bytes(b"\x00xla_cpu_use_thunk_runtime\x00xla_cpu_use_xnnpack_v2\x00")

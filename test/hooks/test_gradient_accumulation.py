@@ -23,7 +23,7 @@ def gradient_accumulation(train_step, iterable_tensors, model, *carried):
 # After torch_xla 2.7's gradient_accumulation, XLA no longer takes the
 # parameters' buffers as donors (torch_xla's own flag is ignored too, plugin
 # or not): such a donation is honestly unused there, its value kept.
-KEEPS_PARAMETER_BUFFERS = _compat._release(torch_xla.__version__) < (2, 8)
+KEEPS_PARAMETER_BUFFERS = _compat.release(torch_xla.__version__) < (2, 8)
 
 MICRO_BATCHES = 4
 ACC_SHAPE = (96, 96)  # no other output of the step has this byte size
@@ -172,7 +172,7 @@ def test_without_the_guard_a_donated_parameter_is_destroyed(dev):
         torch_xla.sync()
     finally:
         integrations.install()
-    if _compat._release(torch_xla.__version__) >= (2, 8):
+    if _compat.release(torch_xla.__version__) >= (2, 8):
         assert tdx.is_deleted(model.weight)
         with pytest.raises(tdx.DonatedBufferError):
             model(data[0])

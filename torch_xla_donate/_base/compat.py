@@ -27,16 +27,16 @@ ImportError: torch_xla_donate needs torch_xla 2.7, 2.8 or 2.9; this is torch_xla
 import inspect
 import re
 
-__all__ = ["SUPPORTED", "check_versions", "check_build", "call_gradient_accumulation",
+__all__ = ["SUPPORTED", "release", "check_versions", "check_build", "call_gradient_accumulation",
            "carried_as_varargs"]
 
 SUPPORTED = ((2, 7), (2, 8), (2, 9))
 
 
-def _release(version: str):
+def release(version: str):
     """(major, minor) of a version string.
 
-    >>> _release("2.9.0+cu128"), _release("2.7.0rc1"), _release("nightly")
+    >>> release("2.9.0+cu128"), release("2.7.0rc1"), release("nightly")
     ((2, 9), (2, 7), None)
     """
     match = re.match(r"(\d+)\.(\d+)", version)
@@ -46,7 +46,7 @@ def _release(version: str):
 def check_versions(torch_version: str, torch_xla_version: str) -> None:
     """Raises ImportError, saying what to install, unless this torch_xla is
     supported and torch is its matching release."""
-    xla, torch_release = _release(torch_xla_version), _release(torch_version)
+    xla, torch_release = release(torch_xla_version), release(torch_version)
     names = ", ".join(f"{a}.{b}" for a, b in SUPPORTED[:-1]) + f" or {'.'.join(map(str, SUPPORTED[-1]))}"
     if xla not in SUPPORTED:
         older = xla is not None and xla < SUPPORTED[0]

@@ -51,6 +51,7 @@ import warnings
 
 import torch_xla
 
+from .compat import release
 from .errors import StaleReadWarning
 from .sites import user_stacklevel
 
@@ -99,11 +100,7 @@ def on_by_default(torch_xla_version: str) -> bool:
     >>> on_by_default("2.9.0"), on_by_default("2.8.1+neuron"), on_by_default("2.10.0")
     (True, False, True)
     """
-    parts = []
-    for piece in torch_xla_version.split("+")[0].split(".")[:2]:
-        digits = "".join(c for c in piece if c.isdigit())
-        parts.append(int(digits) if digits else 0)
-    return tuple(parts) >= FIRST_RELEASE_ON_BY_DEFAULT
+    return (release(torch_xla_version) or (0, 0)) >= FIRST_RELEASE_ON_BY_DEFAULT
 
 
 def decide(device: str, xla_flags: str, *, runtime_started: bool, supported: bool,
