@@ -59,7 +59,7 @@ UNALLOCATABLE_ELEMENTS = 2**46  # float32: 2**48 bytes
 # torch_xla 2.7 deletes the donated input buffers of a step that fails to
 # compile (2.8 and 2.9 give them back): the plugin cannot keep what torch_xla
 # dropped, so there the honest outcome is LOST, a poisoned tensor saying so.
-LOSES_ON_COMPILE_ERROR = _compat._release(torch_xla.__version__) < (2, 8)
+LOSES_ON_COMPILE_ERROR = _compat.release(torch_xla.__version__) < (2, 8)
 # torch_xla 2.7 compiles a non-waiting step in its worker thread, so the
 # error surfaces at the next wait; a waiting step's error is raised at the
 # sync and then once more at the next wait.  Its own behaviour, with or
