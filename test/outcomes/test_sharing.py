@@ -187,3 +187,63 @@ def test_donors_of_one_step_may_share_a_buffer(dev, check_sharing):
     tdx.settle()
     assert tdx.is_deleted(w) and tdx.is_deleted(c)
     assert new.shape == (8, 8)
+
+
+# -- The owner query's native twin ------------------------------------------
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+@pytest.mark.parametrize("slice_", [1, 3, 50])
+@pytest.mark.parametrize("form", ["this release", "2.7 form"])
+def test_owner_suspects_name_every_copy_source_and_nothing_else(dev, native, slice_, form,
+                                                               monkeypatch):
+    """Each kind of copy, among tensors that hold their own buffers and one
+    uploaded that no graph read, across slice boundaries: the sources of
+    copies are the suspects, under their copy's id, in both twins.  The 2.7
+    form of torch_xla's query (no tensors handed back uncloned: ids compared)
+    runs on every release."""
+    from torch_xla_donate._base import xla
+
+    monkeypatch.setattr(xla, "OWNER_QUERY_SLICE", slice_)
+    if form == "2.7 form":
+        monkeypatch.setattr(xla, "_DATA_NODES_TAKE_UNCLONED", False)
+    own = [materialize(torch.randn(8, 8, device=dev)) for _ in range(7)]
+    uploaded = torch.randn(8, 8).to(dev)
+    sources = [materialize(torch.randn(8, 8, device=dev)) for _ in COPIES]
+    copies = [copy(w) for copy, w in zip(COPIES.values(), sources)]
+    torch_xla.sync()
+    tensors = own[:3] + [sources[0], uploaded] + own[3:] + sources[1:]
+    got = xla.owner_suspects(tensors, native=native)
+    want = [(i, xla.tensor_id(c)) for i, w in enumerate(tensors) for s, c in zip(sources, copies)
+            if w is s]
+    assert got == want
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+def test_owner_suspects_cannot_tell_which_of_a_shared_pair_owns_it(dev, native, monkeypatch):
+    """A source and its copy in one query: torch_xla lists their buffer once,
+    so the query says nothing about that slice (every tensor of it is a
+    suspect with owner None) and still answers for the other slices."""
+    from torch_xla_donate._base import xla
+
+    monkeypatch.setattr(xla, "OWNER_QUERY_SLICE", 3)
+    w = materialize(torch.randn(8, 8, device=dev))
+    c = _to_copy(w)
+    others = [materialize(torch.randn(8, 8, device=dev)) for _ in range(4)]
+    torch_xla.sync()
+    got = xla.owner_suspects([others[0], w, c] + others[1:], native=native)
+    assert got == [(0, None), (1, None), (2, None)]
+
+
+def test_owner_suspects_twins_agree_on_a_long_list(dev):
+    """The shipped slice size, several slices, a few sources: the twins give
+    the same list."""
+    from torch_xla_donate._base import xla
+
+    ts = [materialize(torch.randn(4, device=dev)) for _ in range(3 * xla.OWNER_QUERY_SLICE + 7)]
+    copies = [_copy_(ts[i]) for i in (0, xla.OWNER_QUERY_SLICE, len(ts) - 1)]
+    torch_xla.sync()
+    native = xla.owner_suspects(ts)
+    assert native == xla.owner_suspects(ts, native=False)
+    assert [i for i, _ in native] == [0, xla.OWNER_QUERY_SLICE, len(ts) - 1]
+    assert [o for _, o in native] == [xla.tensor_id(c) for c in copies]

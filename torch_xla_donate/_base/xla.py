@@ -95,41 +95,54 @@ def buffer_owner_ids(tensors) -> list:
     return _XLAC._get_tensors_xla_device_data_node(tensors)[0]
 
 
-def owners_of(tensors):
-    """For each tensor without pending IR: ``(own, owner_id)``, whether its
-    buffer is filed under its own tensor id (or under nobody), and the id it
-    is filed under; ``own`` is None where torch_xla's answer does not say
-    (some tensors of the query share one buffer, which it lists once).
+def owner_suspects(tensors, native: bool = True) -> list:
+    """``[(index, owner_id)]`` of the ``tensors`` (none with pending IR)
+    whose buffer torch_xla files under another tensor id; ``owner_id`` is
+    None where torch_xla's answer does not say (some tensors of one query
+    share a buffer, which it lists once).  A buffer filed under the tensor's
+    own id, or under nobody (uploaded, no graph read it), is no suspect.
 
     The tricky case: a copy that took its source's buffer at a barrier
     (``load_state_dict``, ``copy_``, ``t.to(device, copy=True)``) becomes the
-    buffer's owner, so the *source* reads False here, alive or not.
+    buffer's owner, so the *source* is a suspect here, its copy alive or not.
 
     Asked in slices of ``OWNER_QUERY_SLICE``: torch_xla's cost per tensor of
-    one query grows with its length (0.4 µs each at 1,000 tensors, 1.1 µs at
-    10,000; 0.8 µs in slices of 500, measured 2026-11-24).
+    one query grows with its length.  ``native=False`` runs the Python twin
+    of ``C.owner_suspects`` (the tests keep the two in step).
+
+    >>> owner_suspects([])
+    []
     """
     tensors = list(tensors)
+    query = _XLAC._get_tensors_xla_device_data_node
+    if native:
+        return C.owner_suspects(query, tensors, OWNER_QUERY_SLICE, NO_OWNER,
+                                _DATA_NODES_TAKE_UNCLONED)
     out = []
-    for i in range(0, len(tensors), OWNER_QUERY_SLICE):
-        part = tensors[i:i + OWNER_QUERY_SLICE]
+    for start in range(0, len(tensors), OWNER_QUERY_SLICE):
+        part = tensors[start:start + OWNER_QUERY_SLICE]
         if _DATA_NODES_TAKE_UNCLONED:
             # torch_xla hands back the very tensor passed for a buffer filed
             # under its id: an identity test, no id query per tensor.
-            ids, held = _XLAC._get_tensors_xla_device_data_node(part, part)
-            if len(ids) == len(part):
-                out += [(h is t or o == NO_OWNER, o) for t, h, o in zip(part, held, ids)]
-                continue
+            ids, held = query(part, part)
+            own = [h is t for t, h in zip(part, held)] if len(ids) == len(part) else None
         else:
-            ids = _XLAC._get_tensors_xla_device_data_node(part)[0]
-            if len(ids) == len(part):
-                out += [(o in (tensor_id(t), NO_OWNER), o) for t, o in zip(part, ids)]
-                continue
-        out += [(None, None)] * len(part)
+            ids = query(part)[0]
+            own = [o == tensor_id(t) for t, o in zip(part, ids)] if len(ids) == len(part) else None
+        if own is None:
+            out += [(start + j, None) for j in range(len(part))]
+        else:
+            out += [(start + j, o) for j, (o, mine) in enumerate(zip(ids, own))
+                    if not mine and o != NO_OWNER]
     return out
 
 
-OWNER_QUERY_SLICE = 500
+# Measured 2026-11-24 (benchmarks/bench_sharing.py --slices, results/
+# sharing_slices.md): torch_xla's query costs 0.61 µs per tensor in slices of
+# 50 against 0.81 in slices of 500 at 1,000 tensors, 1.67 against 2.38 at
+# 10,000; smaller slices cost more again.
+OWNER_QUERY_SLICE = 50
+
 
 
 # torch_xla 2.7's _get_tensors_xla_device_data_node takes the output tensors

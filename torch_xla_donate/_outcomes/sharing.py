@@ -19,7 +19,7 @@ What is seen, at what cost
   functional update while a target network copied from it is alive).  When
   the copy took the buffer at a barrier, torch_xla filed the buffer under
   the copy's tensor id.  One vectorized query per commit
-  (``xla.owners_of``) finds donors whose buffer is filed under another
+  (``xla.owner_suspects``) finds donors whose buffer is filed under another
   tensor; only for those the live tensors are looked at (a walk of the
   garbage collector's objects), to tell a live copy from a dead one.
   Always on.
@@ -74,14 +74,13 @@ def screen(donors, notices) -> list:
         return donors
     tensors = [t for t, _ in donors]
     if config.check_sharing():
-        owners = [(None, None)] * len(donors)
+        owners = {}
         suspects = list(range(len(donors)))
     else:
-        # own is None where the answer does not say (some donors share one
-        # buffer): those are looked at too.
-        owners = xla.owners_of(tensors)
-        suspects = [i for i, (own, owner) in enumerate(owners)
-                    if not own and owner not in _dead_owners]
+        # An owner of None: the answer does not say (some donors share one
+        # buffer); those are looked at too.
+        owners = dict(xla.owner_suspects(tensors))
+        suspects = [i for i, owner in owners.items() if owner not in _dead_owners]
         if not suspects:
             return donors
     dropped = {}
@@ -93,8 +92,8 @@ def screen(donors, notices) -> list:
                 if len(sharers) > 3:
                     names += f" and {len(sharers) - 3} more"
                 dropped.setdefault(_WHY.format(names=names), []).append(donors[i])
-            elif owners[i][1] is not None:
-                _dead_owners.add(owners[i][1])
+            elif owners.get(i) is not None:
+                _dead_owners.add(owners[i])
     for why, entries in dropped.items():
         ownership.drop(entries, why, notices)
     gone = {id(e) for entries in dropped.values() for e in entries}
