@@ -21,6 +21,7 @@ BENCHMARKS = {
     "async": ("bench_async.py", [], ["--repeats", "1", "--windows", "3"]),
     "compiles": ("bench_compiles.py", [], ["--steps", "10"]),
     "sharing": ("bench_sharing.py", [], ["--rounds", "3"]),
+    "sharing_slices": ("bench_sharing.py", ["--slices"], ["--slices"]),
     "xnnpack_flag": ("bench_xnnpack_flag.py", [], ["--rounds", "1"]),
 }
 # Result files a benchmark writes besides results/<its name>.md.
