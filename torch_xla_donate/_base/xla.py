@@ -144,7 +144,6 @@ def owner_suspects(tensors, native: bool = True) -> list:
 OWNER_QUERY_SLICE = 50
 
 
-
 # torch_xla 2.7's _get_tensors_xla_device_data_node takes the output tensors
 # only; 2.8 added the list of tensors to hand back uncloned.
 _DATA_NODES_TAKE_UNCLONED = "uncloned" in (_XLAC._get_tensors_xla_device_data_node.__doc__ or "")
