@@ -6,14 +6,21 @@ the device runs step N.  The loop must keep doing so with donation: the
 plugin may not block to learn a verdict (it learns it at the next barrier).
 
 Workloads: many small tensors (host-bound: 400 x 64 KiB) and a few large
-ones (device-bound: 16 x 16 MiB).  Modes: no donation, ``donate_buffer`` per
-tensor, ``donate(list)`` once per step, torch_xla's raw
-``_set_buffer_donation`` (the reference: donation with no checks, verdicts
-or poisoning), and ``floor``: only the torch_xla calls that "ours until
-committed" needs (one pending-IR query for the list, the donor flag armed
-just before the barrier and cleared after it, one ``_is_placecholder`` per
-tensor), with raw's loop otherwise.  One process per workload and
-repeat runs every mode, in windows of steps taken round-robin (so the drift
+ones (device-bound: 16 x 16 MiB).  The loop holds the old state through the
+barrier (``old = state`` ... ``sync`` ... ``del old``), so the plugin must
+poison every donor there.  The host-bound workload also runs with the old
+state let go before the barrier (the loop only rebinds its names, as
+``p = p - lr * g`` does): the donors are then unreachable and nothing is
+poisoned (the floor still holds them: its calls after the barrier need
+them).
+
+Modes: no donation, ``donate_buffer`` per tensor, ``donate(list)`` once per
+step, torch_xla's raw ``_set_buffer_donation`` (the reference: donation
+with no checks, verdicts or poisoning), and ``floor``: only the torch_xla
+calls that "ours until committed" needs (one pending-IR query for the list,
+the donor flag armed just before the barrier and cleared after it, one
+``_is_placecholder`` per tensor), with raw's loop otherwise.  One process
+per workload and repeat runs every mode, in windows of steps taken round-robin (so the drift
 of a shared machine, and the luck of a process's memory layout, hit every
 mode alike); throughput is steps per second over a window, the wait for the
 device at its end included.  A mode's rate is the median of its windows, and
@@ -30,16 +37,19 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 
+# name: (tensors, elements each, whether the loop holds the old state
+# through the barrier)
 WORKLOADS = {
-    "400 x 64 KiB (host-bound)": (400, 16 * 1024),
-    "16 x 16 MiB (device-bound)": (16, 4 * 1024 * 1024),
+    "400 x 64 KiB (host-bound)": (400, 16 * 1024, 1),
+    "400 x 64 KiB, rebound (host-bound)": (400, 16 * 1024, 0),
+    "16 x 16 MiB (device-bound)": (16, 4 * 1024 * 1024, 1),
 }
 RAW = "raw _set_buffer_donation"
 MODES = ["no donation", "donate_buffer", "donate(list)", RAW, "floor"]
 TARGET = 0.98  # of raw donation's throughput
 
 
-def child(count: int, numel: int, windows: int, steps: int) -> dict:
+def child(count: int, numel: int, hold: int, windows: int, steps: int) -> dict:
     import torch
     import torch_xla
     import torch_xla.core.xla_model as xm
@@ -67,6 +77,8 @@ def child(count: int, numel: int, windows: int, steps: int) -> dict:
                 set_donation(p, True)
         old = state
         state = [p - 0.01 * (p * 0.5 + 0.1) for p in state]
+        if not hold and mode != "floor":
+            old = None  # only the names were rebound: no donor is reachable
         if mode == "floor":  # the calls the design needs, and nothing else
             C.floor_sync(torch_xla._XLAC, old, lambda: torch_xla.sync(wait=False))
         else:
@@ -105,17 +117,17 @@ def main():
     ap.add_argument("rest", nargs="*", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        count, numel, windows, steps = (int(a) for a in args.rest)
-        C.emit(child(count, numel, windows, steps))
+        count, numel, hold, windows, steps = (int(a) for a in args.rest)
+        C.emit(child(count, numel, hold, windows, steps))
         return
 
     machine = C.machine()
     runs = {}
-    for wname, (count, numel) in WORKLOADS.items():
+    for wname, (count, numel, hold) in WORKLOADS.items():
         for rep in range(args.repeats):
             print(f"async: {wname}, run {rep + 1} ...", flush=True)
             runs.setdefault(wname, []).append(
-                C.run_child(__file__, [count, numel, args.windows, args.steps]))
+                C.run_child(__file__, [count, numel, hold, args.windows, args.steps]))
     machine["load_avg_1m_end"] = round(os.getloadavg()[0], 2)
 
     summary, rows, verdicts = {}, [], []
@@ -158,7 +170,7 @@ def main():
 
 def chart(summary):
     plt = C.pyplot()
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = plt.subplots(figsize=(10, 4))
     w = 0.16
     colors = ["#999999", "#1f77b4", "#2ca02c", "#aec7e8", "#ff7f0e"]
     for i, mode in enumerate(MODES):
