@@ -228,6 +228,10 @@ PYBIND11_MODULE(_C, m) {
       "Tags the tensor's TensorImpl with its donation record (and, for a tensor "
       "taken down with a donation, how).");
   m.def(
+      "impl_address", [](py::handle t) { return ImplOf(t); }, py::arg("tensor"),
+      "The address of the tensor's TensorImpl as the hot path reads it (t._cdata), 0 for "
+      "anything else.");
+  m.def(
       "tagged_note",
       [](py::handle t) -> std::string {
         uintptr_t impl = ImplOf(t);

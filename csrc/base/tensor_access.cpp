@@ -6,6 +6,7 @@
 #include <unordered_map>
 
 #include "base/py_types.h"
+#include "base/variable.h"
 
 namespace py = pybind11;
 
@@ -103,11 +104,8 @@ bool IsPlainTensor(PyObject* t) {
 bool ImplAddress(PyObject* t, uintptr_t* impl) {
   *impl = 0;
   if (!IsTensor(t)) return true;
-  PyObject* cdata = PyObject_GetAttr(t, N().cdata);
-  if (!cdata) return false;
-  *impl = static_cast<uintptr_t>(PyLong_AsUnsignedLongLong(cdata));
-  Py_DECREF(cdata);
-  return !PyErr_Occurred();
+  *impl = VariableImplAddress(t);  // t._cdata, read without a Python call
+  return true;
 }
 
 int Facts(PyObject* t, TensorFacts* facts, bool with_sizes) {

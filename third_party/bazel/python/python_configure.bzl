@@ -66,7 +66,7 @@ cc_library(
     deps = [":python_headers"],
 )
 
-# Only what csrc/tensor_facts.cpp includes (c10 and torch/headeronly), not
+# Only what csrc/base/tensor_facts.cpp includes (c10 and torch/headeronly), not
 # torch/include as a whole: that also holds a pybind11 of its own, which must
 # not shadow :pybind11.
 cc_library(
@@ -79,6 +79,21 @@ cc_library(
     defines = ["_GLIBCXX_USE_CXX11_ABI={cxx11_abi}"],
     srcs = ["torch_lib/libc10.so"],
     linkopts = ["-Wl,-rpath,{torch_lib}"],
+)
+
+# torch's Python binding headers, for csrc/base/variable.cpp (which uses only
+# their inline code: nothing links libtorch_python).  Listed by folder and
+# without torch_include/pybind11, so :pybind11 stays the only pybind11.
+cc_library(
+    name = "torch_python_headers",
+    hdrs = glob([
+        "torch_include/ATen/**/*.h",
+        "torch_include/caffe2/**/*.h",
+        "torch_include/fmt/**/*.h",
+        "torch_include/torch/*.h",
+        "torch_include/torch/csrc/**/*.h",
+    ]),
+    deps = [":c10", ":pybind11"],
 )
 
 py_runtime(
