@@ -8,6 +8,7 @@ Each benchmark writes results/<name>.{json,md,png}; see benchmarks/README.md.
 """
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -23,7 +24,10 @@ BENCHMARKS = {
     "sharing": ("bench_sharing.py", [], ["--rounds", "3"]),
     "sharing_slices": ("bench_sharing.py", ["--slices"], ["--slices"]),
     "xnnpack_flag": ("bench_xnnpack_flag.py", [], ["--rounds", "1"]),
+    "instructions": ("bench_instructions.py", [], ["--tensors", "50", "--steps", "2"]),
 }
+# Tools a benchmark needs beyond Python: without them it is skipped, and says so.
+NEEDS = {"instructions": "valgrind"}
 # Result files a benchmark writes besides results/<its name>.md.
 EXTRA_RESULTS = {"memory": ["memory_decode"]}
 
@@ -40,6 +44,9 @@ def main():
     start = time.time()
     for name in names:
         script, full, quick = BENCHMARKS[name]
+        if name in NEEDS and shutil.which(NEEDS[name]) is None:
+            print(f"== {name}: skipped, needs {NEEDS[name]}", flush=True)
+            continue
         cmd = [sys.executable, os.path.join(C.HERE, script), *(quick if args.quick else full)]
         print(f"== {name}: {' '.join(cmd[1:])}", flush=True)
         subprocess.run(cmd, env=C.child_env(), check=True)
