@@ -13,8 +13,10 @@ import torch
 from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import find_packages, setup
 
-# csrc/tensor_facts.cpp and csrc/record_tag.cpp reach tensors through torch's
-# c10 headers (they ship in the torch wheel); the module links libc10.
+# csrc/base/tensor_facts.cpp and csrc/outcomes/record_tag.cpp reach tensors
+# through torch's c10 headers, csrc/base/variable.cpp through the inline code
+# of torch's python_variable.h (all ship in the torch wheel); the module
+# links libc10 only.
 # -idirafter: torch/include also holds a copy of pybind11, which must not
 # shadow the pybind11 we build with.
 # One place for the version: the package's __version__, read without importing

@@ -42,11 +42,7 @@ py::object RecordOrNone(RecordPtr r) {
   return py::reinterpret_steal<py::object>(o);
 }
 
-uintptr_t ImplOf(py::handle t) {
-  uintptr_t impl = 0;
-  Check(ImplAddress(t.ptr(), &impl));
-  return impl;
-}
+uintptr_t ImplOf(py::handle t) { return ImplAddress(t.ptr()); }
 
 // Hands the hot path the torch / torch_xla / poison callables it needs.
 void Bind(py::kwargs hooks) {

@@ -101,16 +101,10 @@ bool IsPlainTensor(PyObject* t) {
   return false;
 }
 
-bool ImplAddress(PyObject* t, uintptr_t* impl) {
-  *impl = 0;
-  if (!IsTensor(t)) return true;
-  *impl = VariableImplAddress(t);  // t._cdata, read without a Python call
-  return true;
-}
+uintptr_t ImplAddress(PyObject* t) { return IsTensor(t) ? VariableImplAddress(t) : 0; }
 
 int Facts(PyObject* t, TensorFacts* facts, bool with_sizes) {
-  uintptr_t impl = 0;
-  if (!ImplAddress(t, &impl)) return -1;
+  const uintptr_t impl = ImplAddress(t);
   return impl != 0 && ReadTensorFacts(impl, facts, with_sizes) ? 1 : 0;
 }
 

@@ -57,9 +57,9 @@ bool IsDonatedType(PyObject* t);
 // Exactly one of the fast path's types (a plain Tensor or Parameter).
 bool IsPlainTensor(PyObject* t);
 
-// The address of a torch tensor's c10::TensorImpl (`t._cdata`); 0 when `t`
-// is no torch tensor.  False with a Python error set.
-bool ImplAddress(PyObject* t, uintptr_t* impl);
+// The address of a torch tensor's c10::TensorImpl (`t._cdata`, read in
+// place: variable.h); 0 when `t` is no torch tensor.  Never fails.
+uintptr_t ImplAddress(PyObject* t);
 // The native facts of `t`.  1 read, 0 not a tensor or torch raised (the
 // caller takes the Python route), -1 error.
 int Facts(PyObject* t, TensorFacts* facts, bool with_sizes = true);

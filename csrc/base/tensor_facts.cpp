@@ -1,6 +1,6 @@
-// See tensor_facts.h.  With record_tag.cpp, the only file that includes
-// torch (c10) headers; both are compiled with torch's include path and ABI
-// flag and linked to libc10.
+// See tensor_facts.h.  With record_tag.cpp and variable.cpp, the only
+// files that include torch headers; all are compiled with torch's include
+// path and ABI flag and linked to libc10.
 #include "base/tensor_facts.h"
 
 #include <c10/core/TensorImpl.h>

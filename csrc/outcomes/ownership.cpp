@@ -49,8 +49,7 @@ py::tuple LiveObjects(py::tuple types) {
       auto* type = reinterpret_cast<PyTypeObject*>(PyTuple_GET_ITEM(types.ptr(), k));
       if (!PyObject_TypeCheck(o, type)) continue;
       if (k == 0) {
-        uintptr_t impl = 0;
-        if (!ImplAddress(o, &impl)) PyErr_Clear();
+        const uintptr_t impl = ImplAddress(o);
         if (impl == 0 || PyObjectOwnedByTensor(impl)) break;  // undefined, or C++'s
       }
       Check(PyList_Append(found[k].ptr(), o) == 0);

@@ -59,8 +59,7 @@ void ForgetPoisonClasses() {
 }
 
 int TagTensor(PyObject* t, const RecordPtr& record, const std::string& note) {
-  uintptr_t impl = 0;
-  if (!ImplAddress(t, &impl)) return -1;
+  const uintptr_t impl = ImplAddress(t);
   if (impl == 0) {
     PyErr_SetString(PyExc_TypeError, "expected a torch.Tensor");
     return -1;
@@ -82,8 +81,8 @@ int Poison(PyObject* t, PyObject* record) {
   PyObject* inner = PyObject_CallOneArg(g_hooks.inner_of, t);
   if (!inner) return -1;
   int rc = TagAndSwapClass(inner, r, /*refuses_operators=*/true);
-  uintptr_t impl = 0;
-  if (rc == 0 && (!ImplAddress(inner, &impl) || impl == 0)) rc = -1;
+  const uintptr_t impl = rc == 0 ? ImplAddress(inner) : 0;
+  if (rc == 0 && impl == 0) rc = -1;
   if (rc == 0 && !SetPythonDispatch(impl, true)) {
     PyErr_SetString(PyExc_RuntimeError, "cannot set the Python dispatch key of a donated tensor");
     rc = -1;
