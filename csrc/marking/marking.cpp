@@ -127,30 +127,73 @@ void MarkCandidate(Candidate&& c, const FilePtr& file, int line, Via via) {
                       std::move(c.dtype), c.nbytes, via, c.version);
 }
 
+// The fast path of one mark: 1 once `t` is marked (blaming `where`, see
+// call_site.h); 0, having changed nothing and with no Python error, whenever
+// anything is unusual (not a plain materialized XLA tensor, views alive,
+// pending computation, already marked, donation switched off, a probe
+// raised): the Python path then redoes everything and gives the precise
+// error or warning.  -1 with a Python error only for a bad `where`.
+int FastMark(PyObject* t, PyObject* where, Via via) {
+  if (!FastPathOpen()) return 0;
+  Candidate c;
+  if (!Prepare(t, &c)) return 0;
+  if (c.shape.empty()) return 0;  // 0-dim: api refuses it, with a reason
+  if (GlobalLedger().IsMarked(py::handle(t))) return 0;
+  FilePtr file;
+  int line = 0;
+  if (!ResolveWhere(where, &file, &line)) return -1;  // caller's bug
+  if (Pending(c) != 0) {
+    PyErr_Clear();
+    return 0;
+  }
+  MarkCandidate(std::move(c), file, line, via);
+  return 1;
+}
+
 // try_mark(tensor, where, via=0) -> bool
 //
-// The common case of _marking/marks.py mark() in one call: True once `tensor` is marked.
-// False, having changed nothing, whenever anything is unusual (not a plain
-// materialized XLA tensor, views alive, pending computation, already marked,
-// donation switched off, a probe raised): the Python path then redoes
-// everything and gives the precise error or warning.
+// FastMark for the Python paths (donate(tree), donating): True once
+// `tensor` is marked, False when the Python path must decide.
 PyObject* TryMark(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs < 2 || nargs > 3) {
     PyErr_SetString(PyExc_TypeError, "try_mark(tensor, where, via=0) takes 2 or 3 arguments");
     return nullptr;
   }
+  const int r = FastMark(args[0], args[1], ViaArg(args, nargs, 2));
+  if (r < 0) return nullptr;
+  return PyBool_FromLong(r);
+}
+
+// The Python half of donate_buffer (_marking/tensor.py donate_buffer_checked):
+// the checks that raise the precise error or warn, then the mark.
+PyObject* g_donate_buffer_checked = nullptr;
+
+// donate_buffer(tensor) -> None, the public function itself (see its
+// docstring below).  Native, so that the common case costs one call from
+// the user's line and no Python frame: FastMark blaming the caller (depth
+// 0, as a builtin has no frame of its own), else the Python half, whose
+// sys._getframe(1) is the user's frame for the same reason.  While dynamo
+// traces a call, _marking/tensor.py's polyfill stands in for it.
+PyObject* DonateBuffer(PyObject*, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  const Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+  const Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+  if (nargs + nkw != 1 ||
+      (nkw == 1 && PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(kwnames, 0), "tensor"))) {
+    PyErr_SetString(PyExc_TypeError,
+                    "donate_buffer() takes one argument, the tensor: donate_buffer(t). For the "
+                    "tensors of a module, list or dict use donate(tree)");
+    return nullptr;
+  }
   PyObject* t = args[0];
-  if (!FastPathOpen()) Py_RETURN_FALSE;
-  Candidate c;
-  if (!Prepare(t, &c)) Py_RETURN_FALSE;
-  if (c.shape.empty()) Py_RETURN_FALSE;  // 0-dim: api refuses it, with a reason
-  if (GlobalLedger().IsMarked(py::handle(t))) Py_RETURN_FALSE;
-  FilePtr file;
-  int line = 0;
-  if (!ResolveWhere(args[1], &file, &line)) return nullptr;  // caller's bug
-  if (Pending(c) != 0) return FalseClearingErrors();
-  MarkCandidate(std::move(c), file, line, ViaArg(args, nargs, 2));
-  Py_RETURN_TRUE;
+  static PyObject* const kHere = PyLong_FromLong(0);  // the caller's frame
+  const int r = FastMark(t, kHere, Via::kDonateBuffer);
+  if (r < 0) return nullptr;
+  if (r == 1) Py_RETURN_NONE;
+  if (!g_donate_buffer_checked) {
+    PyErr_SetString(PyExc_RuntimeError, "donate_buffer: import torch_xla_donate first");
+    return nullptr;
+  }
+  return PyObject_Vectorcall(g_donate_buffer_checked, &t, 1, nullptr);
 }
 
 // is_donatable(tensor) -> bool: True if _marking/checks.py check_donatable would pass.
@@ -225,7 +268,32 @@ PyObject* TryMarkAll(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return PyLong_FromLong(marked);
 }
 
+const char kDonateBufferDoc[] = R"doc(donate_buffer(tensor)
+--
+
+Donates ``tensor``'s device buffer to the outputs of the next step.
+
+At the next step barrier the buffer may hold one of the step's outputs;
+``tensor`` is then poisoned and any use raises ``DonatedBufferError``.
+If no output can take the buffer, the tensor keeps its value and an
+``UnusedDonationWarning`` says so.  Marking twice before a step counts once.
+Under ``torch.compile`` it is a graph op (no graph break): the compiled
+graph donates the tensor.
+
+Args:
+  tensor: a materialized XLA tensor of at least one dimension.
+
+Raises:
+  TypeError: ``tensor`` is not a torch.Tensor (or cannot be poisoned).
+  ValueError: it is not on an XLA device, has pending computation (call
+    ``xm.mark_step()`` first), is a view or has live views/aliases, is
+    saved for backward by a live autograd graph, or is a 0-dim scalar.
+  DonatedBufferError: it was donated already.
+)doc";
+
 PyMethodDef kFastMethods[] = {
+    {"donate_buffer", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(DonateBuffer)),
+     METH_FASTCALL | METH_KEYWORDS, kDonateBufferDoc},
     {"try_mark", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(TryMark)),
      METH_FASTCALL,
      "try_mark(tensor, where, via=0) -> bool\n\nMarks a plain materialized XLA tensor in "
@@ -246,6 +314,14 @@ PyMethodDef kFastMethods[] = {
 void RegisterMarking(PyObject* module) {
   py::module_ m = py::reinterpret_borrow<py::module_>(module);
   if (PyModule_AddFunctions(module, kFastMethods) < 0) throw py::error_already_set();
+  m.def(
+      "bind_donate_buffer_checked",
+      [](py::object fn) {
+        PyObject* f = fn.release().ptr();
+        Py_XSETREF(g_donate_buffer_checked, f);
+      },
+      py::arg("fn"),
+      "donate_buffer's Python half: called with the tensor when the fast path declines.");
   m.def(
       "set_fast_path_enabled", [](bool enabled) { g_fast_enabled = enabled; }, py::arg("enabled"),
       "Opens try_mark's fast path while donation is switched on (config and "

@@ -146,21 +146,37 @@ def test_no_wrapper_order_makes_dynamo_compile_again(dev, order):
     assert tdx.summary().totals.reused - reused_before == (120 if donated else 0)
 
 
-def test_donate_inside_a_compiled_function_is_a_graph_op(dev):
-    @torch.compile(backend="openxla")
+def _donate_each(params):
+    for w in params:
+        tdx.donate_buffer(w)
+
+
+def _donate_each_through_xlac(params):
+    for w in params:
+        torch_xla._XLAC.donate_buffer(w)
+
+
+@pytest.mark.parametrize("donate", [tdx.donate, _donate_each, _donate_each_through_xlac],
+                         ids=["donate", "donate_buffer", "_XLAC.donate_buffer"])
+def test_donate_inside_a_compiled_function_is_a_graph_op(dev, donate):
+    @torch.compile(backend="openxla", fullgraph=True)  # a graph break raises
     def step(params, g):
-        tdx.donate(params)
+        donate(params)
         return [w - 0.1 * g for w in params]
 
     params = [materialize(torch.randn(N, N, device=dev)) for _ in range(2)]
     g = materialize(torch.randn(N, N, device=dev))
+    expected = [(w - 0.1 * g).cpu() for w in params]
     ptrs = {buffer_ptr(w) for w in params}
     new = step(params, g)
     torch_xla.sync()
     assert all(tdx.is_deleted(w) for w in params) and {buffer_ptr(w) for w in new} == ptrs
+    assert all(torch.equal(n.cpu(), e) for n, e in zip(new, expected))
     assert _graph_breaks() == 0
     record = _C.tagged_record(torch._from_functional_tensor(params[0]))
     assert record is not None and "dynamo_set_buffer_donor_" in record.via
+    with pytest.raises(tdx.DonatedBufferError):
+        params[0].sum()
 
 
 def test_torch_xlas_graph_op_donations_are_poisoned_and_reported(dev):

@@ -9,6 +9,7 @@ from helpers import buffer_ptr, materialize, run_python
 
 import torch_xla_donate as tdx
 from torch_xla_donate import _C
+from torch_xla_donate._base import fast_path
 
 
 def test_installed_into_torch_xla():
@@ -31,7 +32,19 @@ def _donate_here(t):
     return sys._getframe().f_lineno - 1
 
 
-def test_records_name_the_line_of_each_donate_buffer_call(dev):
+@pytest.fixture(params=["native", "python"])
+def marking_path(request, monkeypatch):
+    """donate_buffer marks natively, or (fast path closed: a subclass, a
+    view, a commit on another thread...) through its Python half."""
+    if request.param == "python":  # closed, and every barrier keeps it closed
+        monkeypatch.setattr(fast_path, "refresh", lambda: _C.set_fast_path_enabled(False))
+        fast_path.refresh()
+    yield request.param
+    monkeypatch.undo()
+    fast_path.refresh()
+
+
+def test_records_name_the_line_of_each_donate_buffer_call(dev, marking_path):
     # File and line are cached per call site: one line in a loop, two lines
     # of one function and another function must each keep their own.
     ts = materialize(*[torch.full((2,), float(i), device=dev) for i in range(5)])

@@ -30,33 +30,26 @@ from .marks import mark_checked
 __all__ = ["donate_buffer", "is_donated", "is_deleted"]
 
 
-def donate_buffer(tensor: torch.Tensor) -> None:
-    """Donates ``tensor``'s device buffer to the outputs of the next step.
+# The public function is native (csrc/marking/marking.cpp): the common case
+# is one call from the user's line, with no Python frame of ours.  Its
+# docstring is there; help(donate_buffer) shows it.
+donate_buffer = C.donate_buffer
 
-    At the next step barrier the buffer may hold one of the step's outputs;
-    ``tensor`` is then poisoned and any use raises ``DonatedBufferError``.
-    If no output can take the buffer, the tensor keeps its value and an
-    ``UnusedDonationWarning`` says so.  Marking twice before a step counts once.
 
-    Args:
-      tensor: a materialized XLA tensor of at least one dimension.
+def donate_buffer_checked(tensor) -> None:
+    """``donate_buffer``'s Python half, called with the tensor when the
+    native fast path declines: anything unusual (a subclass, a view, pending
+    computation, a scalar, donation switched off, a commit running on
+    another thread) gets its precise error or warning here, or is marked.
 
-    Raises:
-      TypeError: ``tensor`` is not a torch.Tensor (or cannot be poisoned).
-      ValueError: it is not on an XLA device, has pending computation (call
-        ``xm.mark_step()`` first), is a view or has live views/aliases, is
-        saved for backward by a live autograd graph, or is a 0-dim scalar.
-      DonatedBufferError: it was donated already.
+    The tricky case: the native caller has no Python frame, so
+    ``sys._getframe(1)`` is the user's line, the one the record blames.
+
+    >>> donate_buffer_checked(torch.ones(2))
+    Traceback (most recent call last):
+    ...
+    ValueError: donate_buffer expects a tensor on an XLA device, got one on 'cpu'. ...
     """
-    if torch.compiler.is_compiling():  # dynamo traces this: a graph op, no break
-        return graph_ops.donate_in_graph([tensor])
-    # The common case is one native call (checks and ledger entry; the "1"
-    # blames our caller's line): a plain tensor or parameter passing every
-    # check, 0-dim and autograd ones included, while donation is on and no
-    # commit is running (see _base/lock.py).  Anything unusual goes through
-    # ``mark_checked``, which raises or warns precisely.
-    if C.try_mark(tensor, 1):
-        return
     check_tensor("donate_buffer", tensor)
     torch._check_value(
         tensor.dim() > 0 or not xla.is_xla(tensor) or poison.is_poisoned(tensor),
@@ -64,6 +57,16 @@ def donate_buffer(tensor: torch.Tensor) -> None:
     )
     frame = sys._getframe(1)
     mark_checked(tensor, (frame.f_code.co_filename, frame.f_lineno))
+
+
+C.bind_donate_buffer_checked(donate_buffer_checked)
+
+
+@torch.compiler.substitute_in_graph(C.donate_buffer)
+def _donate_buffer_in_graph(tensor) -> None:
+    """What dynamo traces for a ``donate_buffer`` call: a graph op, no
+    graph break (graph_ops.py)."""
+    graph_ops.donate_in_graph([tensor])
 
 
 def is_donated(tensor: torch.Tensor) -> bool:
