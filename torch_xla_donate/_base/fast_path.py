@@ -1,4 +1,4 @@
-"""When marking's native fast path (``C.try_mark``) may run.
+"""When marking's native fast path (``C.donate_buffer``, ``C.try_mark``) may run.
 
 The fast path marks in one native call and says "no" to anything unusual;
 it must be closed whenever the Python path has something to say for every

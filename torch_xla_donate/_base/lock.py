@@ -1,10 +1,10 @@
 """The one lock of the plugin's critical sections, which the native fast
 path of marking can see.
 
-``C.try_mark`` marks without taking this lock (it cannot be interrupted by
-another Python thread), but must not mark while another thread is inside a
-commit: it declines while the lock has holders, and ``donate_buffer`` then
-takes the lock.
+Marking's fast path (``C.donate_buffer``, ``C.try_mark``) marks without
+taking this lock (it cannot be interrupted by another Python thread), but
+must not mark while another thread is inside a commit: it declines while the
+lock has holders, and the Python path then takes the lock.
 
 >>> with lock:
 ...     C.lock_holders() > 0

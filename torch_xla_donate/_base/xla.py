@@ -252,8 +252,8 @@ def _dtype_info(dtype: torch.dtype):
     return xla_dtype_name(dtype), dtype.itemsize
 
 
-# The native hot path (``C.try_mark`` and the step hook's batch helpers in
-# csrc/module.cpp) asks torch_xla the questions above through these very
+# The native hot path (``C.donate_buffer``, ``C.try_mark`` and the step
+# hook's batch helpers in csrc/) asks torch_xla the questions above through these very
 # functions: when one of them changes, this is still the one place to adapt.
 C.bind(
     tensor_type=torch.Tensor,
