@@ -59,6 +59,7 @@ void Bind(py::kwargs hooks) {
       {"poison_class_for", &Hooks::poison_class_for},
       {"dispatch_class_for", &Hooks::dispatch_class_for},
       {"inner_of", &Hooks::inner_of},
+      {"donate_buffer_checked", &Hooks::donate_buffer_checked},
   };
   for (auto item : hooks) {
     std::string name = py::str(item.first);

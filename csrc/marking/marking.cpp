@@ -164,15 +164,12 @@ PyObject* TryMark(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return PyBool_FromLong(r);
 }
 
-// The Python half of donate_buffer (_marking/tensor.py donate_buffer_checked):
-// the checks that raise the precise error or warn, then the mark.
-PyObject* g_donate_buffer_checked = nullptr;
-
 // donate_buffer(tensor) -> None, the public function itself (see its
 // docstring below).  Native, so that the common case costs one call from
 // the user's line and no Python frame: FastMark blaming the caller (depth
 // 0, as a builtin has no frame of its own), else the Python half, whose
-// sys._getframe(1) is the user's frame for the same reason.  While dynamo
+// sys._getframe(1) is the user's frame for the same reason (the Python half,
+// _marking/tensor.py donate_buffer_checked, is bound with C.bind).  While dynamo
 // traces a call, _marking/tensor.py's polyfill stands in for it.
 PyObject* DonateBuffer(PyObject*, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
   const Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
@@ -189,11 +186,11 @@ PyObject* DonateBuffer(PyObject*, PyObject* const* args, size_t nargsf, PyObject
   const int r = FastMark(t, kHere, Via::kDonateBuffer);
   if (r < 0) return nullptr;
   if (r == 1) Py_RETURN_NONE;
-  if (!g_donate_buffer_checked) {
+  if (!g_hooks.donate_buffer_checked) {
     PyErr_SetString(PyExc_RuntimeError, "donate_buffer: import torch_xla_donate first");
     return nullptr;
   }
-  return PyObject_Vectorcall(g_donate_buffer_checked, &t, 1, nullptr);
+  return PyObject_Vectorcall(g_hooks.donate_buffer_checked, &t, 1, nullptr);
 }
 
 // is_donatable(tensor) -> bool: True if _marking/checks.py check_donatable would pass.
@@ -314,14 +311,6 @@ PyMethodDef kFastMethods[] = {
 void RegisterMarking(PyObject* module) {
   py::module_ m = py::reinterpret_borrow<py::module_>(module);
   if (PyModule_AddFunctions(module, kFastMethods) < 0) throw py::error_already_set();
-  m.def(
-      "bind_donate_buffer_checked",
-      [](py::object fn) {
-        PyObject* f = fn.release().ptr();
-        Py_XSETREF(g_donate_buffer_checked, f);
-      },
-      py::arg("fn"),
-      "donate_buffer's Python half: called with the tensor when the fast path declines.");
   m.def(
       "set_fast_path_enabled", [](bool enabled) { g_fast_enabled = enabled; }, py::arg("enabled"),
       "Opens try_mark's fast path while donation is switched on (config and "

@@ -146,17 +146,16 @@ def test_no_wrapper_order_makes_dynamo_compile_again(dev, order):
     assert tdx.summary().totals.reused - reused_before == (120 if donated else 0)
 
 
-def _donate_each(params):
-    for w in params:
-        tdx.donate_buffer(w)
+def _each(donate_one):
+    def donate_each(params):
+        for w in params:
+            donate_one(w)
+    return donate_each
 
 
-def _donate_each_through_xlac(params):
-    for w in params:
-        torch_xla._XLAC.donate_buffer(w)
-
-
-@pytest.mark.parametrize("donate", [tdx.donate, _donate_each, _donate_each_through_xlac],
+# The last looks the function up on torch_xla._XLAC while dynamo traces.
+@pytest.mark.parametrize("donate", [tdx.donate, _each(tdx.donate_buffer),
+                                    _each(lambda w: torch_xla._XLAC.donate_buffer(w))],
                          ids=["donate", "donate_buffer", "_XLAC.donate_buffer"])
 def test_donate_inside_a_compiled_function_is_a_graph_op(dev, donate):
     @torch.compile(backend="openxla", fullgraph=True)  # a graph break raises

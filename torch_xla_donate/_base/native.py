@@ -13,7 +13,9 @@ package's).  What it calls back into Python, bound at import with
 
 * torch_xla's functions and torch's, bound by ``xla`` (the owner of every
   ``_XLAC`` call);
-* the poisoned twin classes, bound by ``_outcomes.poison``.
+* the poisoned twin classes, bound by ``_outcomes.poison``;
+* ``donate_buffer``'s Python half (the precise checks when the native fast
+  path declines), bound by ``_marking.tensor``.
 
 >>> Verdict.REUSED.name, Via.DONATE_BUFFER.value
 ('REUSED', 0)

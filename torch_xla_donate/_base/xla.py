@@ -253,8 +253,9 @@ def _dtype_info(dtype: torch.dtype):
 
 
 # The native hot path (``C.donate_buffer``, ``C.try_mark`` and the step
-# hook's batch helpers in csrc/) asks torch_xla the questions above through these very
-# functions: when one of them changes, this is still the one place to adapt.
+# hook's batch helpers in csrc/) asks torch_xla the questions above through
+# these very functions: when one of them changes, this is still the one
+# place to adapt.
 C.bind(
     tensor_type=torch.Tensor,
     fast_types=(torch.Tensor, torch.nn.Parameter),

@@ -59,7 +59,7 @@ def donate_buffer_checked(tensor) -> None:
     mark_checked(tensor, (frame.f_code.co_filename, frame.f_lineno))
 
 
-C.bind_donate_buffer_checked(donate_buffer_checked)
+C.bind(donate_buffer_checked=donate_buffer_checked)
 
 
 @torch.compiler.substitute_in_graph(C.donate_buffer)
