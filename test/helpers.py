@@ -58,6 +58,31 @@ def materialize(*tensors):
     return tensors[0] if len(tensors) == 1 else tensors
 
 
+def settle_autograd():
+    """``tdx.settle()``: what a run compared bit for bit with another does
+    before each of its barriers (a run without donation especially).
+
+    On an XLA device autograd's worker thread still holds lazy tensors of a
+    finished backward a moment after ``torch.func.grad`` (or
+    ``torch.autograd.grad``, ``backward()``) returns; a barrier then makes
+    them extra outputs of the step's graph, another graph that may round
+    differently, so a plain loop is not bit-repeatable from run to run.  A
+    donating loop waits for that thread; ``settle()`` does for any loop
+    (test/scenarios/test_repeatability.py)."""
+    import torch_xla_donate as tdx
+
+    tdx.settle()
+
+
+def settled_sync(wait: bool = False):
+    """``settle_autograd()``, then the step barrier (and, with ``wait``, the
+    wait for its execution)."""
+    settle_autograd()
+    torch_xla.sync()
+    if wait:
+        xm.wait_device_ops()
+
+
 def assert_untouched(t, expected=None):
     """Not marked, no armed donor flag, not poisoned, value as before: what a
     refused call must leave behind."""

@@ -17,7 +17,9 @@ same as without donation:
 Each variant runs 5 steps in a process of its own per mode (one process per
 mode runs all the variants of the test), and writes every step's loss and
 the final state; the donating run must also have donated (buffers reused,
-none unused).  The final state is compared element by element (a digest of
+none unused).  Both runs call ``tdx.settle()`` before each barrier
+(helpers.settled_sync): without it the plain run itself is not
+bit-repeatable (test_repeatability.py).  The final state is compared element by element (a digest of
 its bytes).  CI runs width 1024 (where the bug showed at 768 and up), each
 mode twice; with XNNPACK on (XLA_FLAGS=--xla_cpu_use_xnnpack=true) every
 variant fails on an AVX2 CPU.  The long form repeats more, at other widths::
@@ -33,6 +35,7 @@ import textwrap
 
 import pytest
 
+TEST_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # helpers.py
 STEPS = 5
 REPEATS = int(os.environ.get("TDX_DIFF_REPEATS", 2))
 WIDTHS = os.environ.get("TDX_DIFF_WIDTHS")
@@ -60,6 +63,7 @@ _LOOP = r'''
 import hashlib, json, sys, warnings
 import torch, torch_xla, torch_xla.core.xla_model as xm
 import torch_xla_donate as tdx
+from helpers import settled_sync
 
 cases, donate, steps, out_path = json.loads(sys.argv[1]), sys.argv[2] == "1", int(sys.argv[3]), sys.argv[4]
 dev = torch_xla.device()
@@ -120,13 +124,13 @@ for opt, grad_kind, how, donation, width in cases:
         for s in range(steps):
             with torch.no_grad() if grad_kind == "func" else torch.enable_grad():
                 gs, loss = grads_of(grad_kind, [w.detach() for w in state["w"]], xs[s].to(dev))
-            torch_xla.sync(); xm.wait_device_ops()
+            settled_sync(wait=True)  # else the plain run itself is not bit-repeatable
             losses.append(loss.item())
             if donate and donation == "donate":
                 tdx.donate(state)
             with torch.no_grad():
                 state = update(state, gs)
-            torch_xla.sync(); xm.wait_device_ops()
+            settled_sync(wait=True)
     tdx.settle()
     after = tdx.summary().totals
     key = "/".join(map(str, (opt, grad_kind, how, donation, width)))
@@ -150,7 +154,9 @@ def _run(cases, donate, tmp_path, tag):
     proc = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(_LOOP), json.dumps(cases), "1" if donate else "0",
          str(STEPS), str(out)],
-        env=dict(os.environ, PJRT_DEVICE="CPU"), capture_output=True, text=True, timeout=900)
+        env=dict(os.environ, PJRT_DEVICE="CPU",
+                 PYTHONPATH=os.pathsep.join(filter(None, [TEST_DIR, os.environ.get("PYTHONPATH")]))),
+        capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"{tag} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     return json.loads(out.read_text())
 

@@ -183,6 +183,12 @@ def wait_device_ops(device=None) -> None:
         wait(_XLAC._xla_real_devices([str(device)]))
 
 
+def runtime_started() -> bool:
+    """True once torch_xla's runtime is up (no XLA computation before it)."""
+    started = getattr(_XLAC, "_xla_runtime_is_initialized", None)
+    return True if started is None else bool(started())
+
+
 def spmd() -> bool:
     """True once ``torch_xla.runtime.use_spmd()`` switched SPMD on."""
     return torch_xla.runtime.is_spmd()

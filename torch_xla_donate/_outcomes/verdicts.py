@@ -161,6 +161,15 @@ def settle() -> None:
     once it has been dispatched; reports and counts taken after this are
     final.
 
+    It first waits for autograd's worker thread of the calling thread's
+    device to release the backward passes it finished, as a donation does.
+    The tricky case: a loop that donates nothing.  A moment after
+    ``torch.func.grad`` returns, that thread may still hold lazy tensors of
+    the backward, and the next barrier makes them extra outputs of the
+    step's graph: another graph, which may round differently, so a plain
+    loop is not bit-repeatable from run to run.  Called before each
+    barrier, ``settle()`` makes it so (a run to compare a donating one with).
+
     Raises:
       UnusedDonationError: in strict mode, for donations no output could
         take (they keep their values; other modes warn).
@@ -168,6 +177,8 @@ def settle() -> None:
       (its donations keep their values and stay open).
     """
     global _in_flight
+    if xla.runtime_started():
+        ownership.settle_autograd(devices.barrier_device(""))
     with lock:
         entries, _in_flight = _in_flight, []
     if not entries:
