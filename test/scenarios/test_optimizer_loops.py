@@ -17,7 +17,6 @@ import warnings
 
 import pytest
 import torch
-import torch_xla
 import torch_xla.core.xla_model as xm
 import torch_xla.distributed.parallel_loader as pl
 from helpers import materialize, run_python, settle_autograd, settled_sync
