@@ -232,3 +232,35 @@ def test_the_fence_parser_pairs_markers_and_text_blocks():
     a, _, b = fenced_blocks(text, "T.md")
     assert (a.marker, a.text, a.source) == ("setup=kv_cache", "1\n", "print(1)\n")
     assert (b.marker, b.text, b.line) == (None, None, 9)
+
+
+_RIGHT_AND_WRONG = {  # a kind of claim: (a block that keeps it, the same block breaking it)
+    "literal": ("x = 2\nx + 1  # 3\n", "x = 2\nx + 1  # 4\n"),
+    "raises": ("int('x')  # ValueError, with:\n# invalid literal ... 'x'\n",
+               "int('7')  # ValueError, with:\n# invalid literal ... 'x'\n"),
+    "message": ("int('x')  # ValueError, with:\n# invalid literal ... 'x'\n",
+                "int('y')  # ValueError, with:\n# invalid literal ... 'x'\n"),
+    "print": ("print('step', 2)  # step 2\n", "print('step', 3)  # step 2\n"),
+    "text": ("print('a 1'); print('b')\n", "print('a 1'); print('c')\n"),
+    "fill": ("def f():\n    ...\n    return y\nf()  # 5\n", "def f():\n    ...\n    return y\nf()  # 6\n"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_RIGHT_AND_WRONG))
+def test_the_runner_holds_each_kind_of_claim(kind):
+    """Each kind of claim passes as written and fails when the code says
+    otherwise (in this process: plain Python, no device)."""
+    import warnings
+
+    sys.path.insert(0, str(RUNNER.parent))
+    try:
+        import readme_runner
+    finally:
+        sys.path.remove(str(RUNNER.parent))
+    right, wrong = _RIGHT_AND_WRONG[kind]
+    extra = {"text": "a ...\nb\n" if kind == "text" else None,
+             "fill": "y = 5" if kind == "fill" else None}
+    with warnings.catch_warnings():
+        readme_runner.run_block(dict(source=right, **extra))
+        with pytest.raises(readme_runner.ClaimFailed):
+            readme_runner.run_block(dict(source=wrong, **extra))
