@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch_xla
 import torch_xla.debug.metrics as met
-from helpers import buffer_ptr, materialize
+from helpers import buffer_ptr, materialize, settled_sync
 from torch_xla.experimental import gradient_accumulation as _ga
 
 import torch_xla_donate as tdx
@@ -59,7 +59,7 @@ def _run(dev, donate: bool, calls=3):
         if donate:
             tdx.donate_buffer(acc)
         loss, acc = gradient_accumulation(_train_step(model), (data, target), model, acc)
-        torch_xla.sync()
+        settled_sync()  # bit-repeatable, with or without donation
         same_ptr.append(buffer_ptr(acc) == first_ptr)
         deleted.append(tdx.is_deleted(old))
         losses.append(loss.item())
