@@ -19,8 +19,8 @@ mode runs all the variants of the test), and writes every step's loss and
 the final state; the donating run must also have donated (buffers reused,
 none unused).  Both runs call ``tdx.settle()`` before each barrier
 (helpers.settled_sync): without it the plain run itself is not
-bit-repeatable (test_repeatability.py).  The final state is compared element by element (a digest of
-its bytes).  CI runs width 1024 (where the bug showed at 768 and up), each
+bit-repeatable (test_repeatability.py).  The final state is compared
+element by element (a digest of its bytes).  CI runs width 1024 (where the bug showed at 768 and up), each
 mode twice; with XNNPACK on (XLA_FLAGS=--xla_cpu_use_xnnpack=true) every
 variant fails on an AVX2 CPU.  The long form repeats more, at other widths::
 
