@@ -46,6 +46,11 @@ class Setup:
 
 
 SETUPS = {
+    # "API": the import also installs torch_xla._XLAC.donate_buffer.
+    "api": Setup(
+        prelude="",
+        check="import torch_xla\nassert torch_xla._XLAC.donate_buffer is tdx.donate_buffer\n",
+    ),
     # "Training and inference loops": a functional SGD with momentum over
     # an MpDeviceLoader; every step donates the parameters and the state.
     "train_loop": Setup(
