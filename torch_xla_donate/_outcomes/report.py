@@ -48,7 +48,7 @@ import threading
 import warnings
 from collections import Counter
 
-from .._base import xla
+from .._base import xla, xla_cpu
 from .._base.native import C
 from . import verdicts
 
@@ -185,6 +185,8 @@ class Summary:
     steps: int
     totals: StepReport
     history: tuple[StepReport, ...]
+    # The CPU backend's XNNPACK guard (``_base/xla_cpu.py``), in words.
+    cpu_guard: str = ""
 
     @property
     def unused_shapes(self) -> Counter:
@@ -217,6 +219,8 @@ class Summary:
         if self.history:
             lines.append(f"  last steps (of {len(self.history)} kept):")
             lines += [f"    {r}" for r in self.history[-5:]]
+        if self.cpu_guard:
+            lines.append(f"  XLA:CPU: {self.cpu_guard}")
         return "\n".join(lines)
 
 
@@ -248,6 +252,7 @@ def summary() -> Summary:
         steps=totals["steps"],
         totals=StepReport._from_stats(totals, step=None),
         history=tuple(StepReport._from_stats(s) for s in C.history()),
+        cpu_guard=xla_cpu.describe(),
     )
 
 
@@ -256,10 +261,15 @@ def metrics_report() -> str:
     ``torch_xla.debug.metrics.short_metrics_report()``.
 
     Returns:
-      One ``Counter: name`` / ``Value: n`` pair per entry of ``COUNTERS``.
+      One ``Counter: name`` / ``Value: n`` pair per entry of ``COUNTERS``,
+      then the CPU backend's XNNPACK guard (``Setting: XlaCpuXnnpackGuard``,
+      its state and what it means) where there is one to report.
     """
     totals = C.totals()
-    return "".join(f"Counter: {name}\n  Value: {totals[field]}\n" for name, field in COUNTERS.items())
+    text = "".join(f"Counter: {name}\n  Value: {totals[field]}\n" for name, field in COUNTERS.items())
+    if xla_cpu.state() != "none":
+        text += f"Setting: XlaCpuXnnpackGuard\n  Value: {xla_cpu.state()} ({xla_cpu.describe()})\n"
+    return text
 
 
 # -- Listening to the step hook ------------------------------------------------
