@@ -214,7 +214,11 @@ def test_optimizer_state_is_donated_and_host_counters_skipped(dev):
     states = [s for s in opt.state.values()]
     moments = [s[k] for s in states for k in ("exp_avg", "exp_avg_sq")]
     assert all(s["step"].device.type == "cpu" for s in states)
+    skipped = tdx.summary().skipped_on_cpu
     assert tdx.donate(opt) == 4
+    # Left out, not silently: the summary counts the two CPU step counters.
+    assert tdx.summary().skipped_on_cpu == skipped + 2
+    assert "skipped (on CPU)" in str(tdx.summary())
     # A functional Adam-like update of the moments, written into the state.
     for s in states:
         s["exp_avg"] = s["exp_avg"] * 0.9
@@ -229,9 +233,11 @@ def test_optimizer_state_is_donated_and_host_counters_skipped(dev):
 def test_optimizer_errors_name_the_state_entry(dev):
     model, opt = _adam_with_state(dev)
     opt.state[model.bias]["trace"] = torch.zeros(3)  # a host tensor, not a counter
+    skipped = tdx.summary().skipped_on_cpu
     with pytest.raises(ValueError, match=r"optimizer\.state\[1\]\['trace'\]"):
         tdx.donate(opt)
     assert not any(tdx.is_donated(s["exp_avg"]) for s in opt.state.values())
+    assert tdx.summary().skipped_on_cpu == skipped  # a refused call counts nothing
 
 
 def test_module_and_optimizer_together(dev):
