@@ -142,7 +142,7 @@ def _fix(paths, count) -> str:
     """
     if not paths:
         return ("Do not donate tensors that no output can take: donate only what "
-                "the step replaces with a result of the same dtype and size.")
+                "the step replaces with a result of the same size.")
     named = ", ".join(paths[:4]) + (" ..." if len(paths) > 4 else "")
     verb = "is a buffer" if len(paths) == 1 else "are buffers"
     rest = "" if len(paths) == count else " The others: donate only what the step replaces."
