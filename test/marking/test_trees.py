@@ -1,5 +1,6 @@
 """donate(tree): every tensor leaf of a pytree, module or optimizer, all or nothing."""
 import collections
+import gc
 import sys
 
 import pytest
@@ -11,6 +12,7 @@ import torch_xla_donate as tdx
 import torch_xla_donate._marking.marks
 import torch_xla_donate._marking.trees
 from torch_xla_donate import _C
+from torch_xla_donate._outcomes import unused
 
 
 def _lineno() -> int:
@@ -184,6 +186,28 @@ def test_module_errors_name_the_attribute_path(dev):
     assert not any(tdx.is_donated(p) for p in net.parameters())
     with pytest.raises(ValueError, match=r"tree\['model'\]\.fc2\.host_only"):
         tdx.donate({"model": net})
+
+
+def test_module_buffers_are_named_while_they_live(dev):
+    """donate(module) remembers which tensors are its buffers, so that an
+    unused warning can name them (module.scale); a refused call
+    remembers nothing, and a buffer that dies is forgotten."""
+    net = _Net().to(dev)
+    materialize(net.fc1.weight)
+    scale = net.scale
+    net.fc2.register_buffer("host_only", torch.zeros(3))
+    with pytest.raises(ValueError):
+        tdx.donate(net)
+    assert unused._buffer_path(scale) is None
+    del net.fc2.host_only
+    assert tdx.donate(net) > 0
+    assert unused._buffer_path(scale) == "module.scale"
+    assert unused._buffer_path(net.fc1.weight) is None  # a parameter
+    key = id(scale)
+    tdx.undonate(net)
+    del net, scale
+    gc.collect()
+    assert key not in unused._buffers
 
 
 def test_tied_weights_are_donated_once(dev):
