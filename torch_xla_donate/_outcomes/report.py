@@ -18,6 +18,11 @@ its step ran:
   verdicts are known only at the next barrier, the first use of a donated
   tensor, ``is_deleted`` or ``torch_xla_donate.settle()``.
 
+Not a donation, but counted so that nothing is left out silently:
+*skipped (on CPU)*, the 0-dim CPU tensors of an optimizer's state
+(torch.optim's ``state["step"]``) that ``donate(optimizer)`` left out
+(``Summary.skipped_on_cpu``, since import).
+
 Ways to look:
 
 * ``last_step_report()`` and ``summary()`` return small dataclasses; ``str()``
@@ -185,6 +190,7 @@ class Summary:
     steps: int
     totals: StepReport
     history: tuple[StepReport, ...]
+    skipped_on_cpu: int = 0  # optimizer counters on the CPU donate() left out
     # The CPU backend's XNNPACK guard (``_base/xla_cpu.py``), in words.
     cpu_guard: str = ""
 
@@ -213,6 +219,9 @@ class Summary:
             f"  {name:<18} {count:>8}" + (f"  {_size(nbytes)}" if nbytes is not None else "")
             for name, count, nbytes in rows
         ]
+        if self.skipped_on_cpu:
+            lines.append(f"  {'skipped (on CPU)':<18} {self.skipped_on_cpu:>8}  not donated: "
+                         "optimizer counters torch.optim keeps on the CPU (state['step'])")
         if self.unused_shapes:
             common = ", ".join(f"{s} x{n}" for s, n in self.unused_shapes.most_common(5))
             lines.append(f"  unused shapes (last {len(self.history)} steps): {common}")
@@ -244,16 +253,30 @@ def summary() -> Summary:
     """Totals across steps, plus the reports of the steps still in history.
 
     Returns:
-      A ``Summary``: ``steps``, ``totals`` (a ``StepReport`` without a step)
-      and ``history`` (the last ``HISTORY_STEPS`` steps that donated).
+      A ``Summary``: ``steps``, ``totals`` (a ``StepReport`` without a step),
+      ``history`` (the last ``HISTORY_STEPS`` steps that donated) and
+      ``skipped_on_cpu`` (optimizer counters ``donate`` left out).
     """
     totals = C.totals()
     return Summary(
         steps=totals["steps"],
         totals=StepReport._from_stats(totals, step=None),
         history=tuple(StepReport._from_stats(s) for s in C.history()),
+        skipped_on_cpu=_skipped_on_cpu,
         cpu_guard=xla_cpu.describe(),
     )
+
+
+_skipped_on_cpu = 0
+
+
+def note_skipped_on_cpu(count: int) -> None:
+    """Counts ``count`` optimizer state tensors on the CPU that ``donate``
+    left out (torch.optim's ``state["step"]``)."""
+    global _skipped_on_cpu
+    if count:
+        with _lock:
+            _skipped_on_cpu += count
 
 
 def metrics_report() -> str:
