@@ -9,6 +9,7 @@ import torch_xla
 
 import torch_xla_donate as tdx
 from torch_xla_donate import _C
+from torch_xla_donate._outcomes import unused
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -43,6 +44,14 @@ def no_zombie_tensors(capfd):
     sys.stdout.write(out)
     sys.stderr.write(err)
     assert ZOMBIE_TENSOR not in err, "a tensor's Python object outlived its TensorImpl"
+
+
+@pytest.fixture(autouse=True)
+def fresh_unused_warnings():
+    """An unused donation warns once per line and shape per process
+    (_outcomes/unused.py): each test starts with nothing said yet, so a
+    parametrized test sees its warning in every case."""
+    unused.forget()
 
 
 @pytest.fixture(autouse=True)

@@ -32,6 +32,8 @@ from ._base import xla_cpu as _xla_cpu  # noqa: E402
 
 # Before torch_xla's runtime starts: XLA reads XLA_FLAGS once, at its start.
 _xla_cpu.protect_at_import(torch_xla._XLAC)
+# ... and again until it starts: XLA_FLAGS may be replaced after this import.
+_xla_cpu.watch_runtime_start()
 
 from . import errors, report  # noqa: E402
 from ._base.config import configure  # noqa: E402

@@ -33,6 +33,7 @@ if {start_runtime}:
     torch.ones(2, device=torch_xla.device()).cpu()
 import torch_xla_donate as tdx
 from torch_xla_donate import _C
+{after_import}
 dev = torch_xla.device()
 a = torch.ones(8, device=dev) * 2; b = torch.ones(8, device=dev) * 3
 torch_xla.sync()
@@ -49,15 +50,17 @@ from torch_xla_donate._base import xla_cpu
 print(json.dumps({{"state": xla_cpu.state(), "flags": os.environ.get("XLA_FLAGS", ""),
                   "stale": stale, "fast": fast, "log": records,
                   "reused": [tdx.is_deleted(a), tdx.is_deleted(b)], "dumped": bool(option_files),
+                  "summary": str(tdx.summary()), "metrics": tdx.metrics_report(),
                   "listed": sorted({{line.strip() for line in options.splitlines()
                                     if "xla_cpu_use_xnnpack" in line}})}}))
 """
 
 
-def _probe(tmp_path, xla_flags="", start_runtime=False, **env):
+def _probe(tmp_path, xla_flags="", start_runtime=False, after_import="", **env):
     dump = str(tmp_path / "dump")
     flags = f"{xla_flags} --xla_dump_to={dump}".strip()
-    proc = run_python(_PROBE.format(start_runtime=start_runtime, dump=dump),
+    proc = run_python(_PROBE.format(start_runtime=start_runtime, dump=dump,
+                                    after_import=after_import.format(dump=dump)),
                       env=dict(env, XLA_FLAGS=flags))
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     # XLA dumps the options that differ from its defaults: XNNPACK ran off
@@ -105,6 +108,56 @@ def test_unprotected_process_warns_once_at_the_first_donation(tmp_path, case):
     assert len(out["stale"]) == 1, out["stale"]  # two donations, one warning
     assert "XLA_FLAGS='--xla_cpu_use_xnnpack=false'" in out["stale"][0]
     assert out["xnnpack_off"] in (False, None)
+
+
+# The SPMD recipe: XLA_FLAGS replaced after the imports (issue 31).
+_REPLACE = ('os.environ["XLA_FLAGS"] = '
+            '"--xla_force_host_platform_device_count=4 --xla_dump_to={dump}"')
+# Before, through, and after the runtime's start: torch_xla.device() is the
+# public way in (the package sees it coming); a tensor created with
+# device="xla" starts the runtime from C++ (it sees only the result).
+_REPLACED = {
+    "then torch_xla.device()": _REPLACE,
+    "then xm.xla_device()": _REPLACE + "\nimport torch_xla.core.xla_model as xm; xm.xla_device()",
+    "then a tensor on the device": _REPLACE + '\ntorch.ones(2, device="xla").cpu()',
+    "after the runtime started": 'torch.ones(2, device=torch_xla.device()).cpu()\n' + _REPLACE,
+}
+
+
+@pytest.mark.parametrize("order", list(_REPLACED))
+def test_xla_flags_replaced_after_the_import(tmp_path, order):
+    """What XLA compiled with is what the package reports, in every order:
+    the flag is added again while the runtime has not read XLA_FLAGS, a
+    start the package could not see is reported as lost and warned about
+    once, and a replacement after the start changes nothing."""
+    out = _probe(tmp_path, after_import=_REPLACED[order])
+    assert out["reused"] == [True, True]  # donation itself is unchanged
+    assert "--xla_force_host_platform_device_count=4" in out["flags"]
+    guard = out["metrics"].split("Setting: XlaCpuXnnpackGuard\n  Value: ")[-1]
+    if not ON_BY_DEFAULT:  # 2.7, 2.8: nothing was added, nothing is owed
+        assert out["state"] == "off by default" and out["stale"] == []
+        assert out["xnnpack_off"] in (True, None)
+        return
+    expected = {"then torch_xla.device()": "re-added", "then xm.xla_device()": "re-added",
+                "then a tensor on the device": "lost",
+                "after the runtime started": "added"}[order]
+    assert out["state"] == expected, out
+    assert guard.startswith(expected + " ("), out["metrics"]
+    if expected == "lost":
+        assert out["xnnpack_off"] is False, out["listed"]
+        assert len(out["stale"]) == 1, out["stale"]  # two donations, one warning
+        assert "XLA_FLAGS was assigned after torch_xla_donate was imported" in out["stale"][0]
+        assert "XLA:CPU: XNNPACK ON" in out["summary"]
+        assert "--xla_cpu_use_xnnpack=false" not in out["flags"]
+    else:
+        assert out["xnnpack_off"] is True, out["listed"]
+        assert out["stale"] == [] and out["fast"] is True
+        assert "XLA:CPU: XNNPACK off" in out["summary"]
+        # Re-added to the user's XLA_FLAGS; a replacement after the start
+        # keeps the user's text (XLA read the flags already).
+        assert out["flags"].split().count("--xla_cpu_use_xnnpack=false") == (
+            expected == "re-added")
+        assert any("replaced" in line for line in out["log"]) == (expected == "re-added")
 
 
 def test_a_choice_in_xla_flags_is_left_alone(tmp_path):

@@ -1,5 +1,6 @@
 """donate(tree): every tensor leaf of a pytree, module or optimizer, all or nothing."""
 import collections
+import gc
 import sys
 
 import pytest
@@ -11,6 +12,7 @@ import torch_xla_donate as tdx
 import torch_xla_donate._marking.marks
 import torch_xla_donate._marking.trees
 from torch_xla_donate import _C
+from torch_xla_donate._outcomes import unused
 
 
 def _lineno() -> int:
@@ -186,6 +188,28 @@ def test_module_errors_name_the_attribute_path(dev):
         tdx.donate({"model": net})
 
 
+def test_module_buffers_are_named_while_they_live(dev):
+    """donate(module) remembers which tensors are its buffers, so that an
+    unused warning can name them (module.scale); a refused call
+    remembers nothing, and a buffer that dies is forgotten."""
+    net = _Net().to(dev)
+    materialize(net.fc1.weight)
+    scale = net.scale
+    net.fc2.register_buffer("host_only", torch.zeros(3))
+    with pytest.raises(ValueError):
+        tdx.donate(net)
+    assert unused._buffer_path(scale) is None
+    del net.fc2.host_only
+    assert tdx.donate(net) > 0
+    assert unused._buffer_path(scale) == "module.scale"
+    assert unused._buffer_path(net.fc1.weight) is None  # a parameter
+    key = id(scale)
+    tdx.undonate(net)
+    del net, scale
+    gc.collect()
+    assert key not in unused._buffers
+
+
 def test_tied_weights_are_donated_once(dev):
     model = torch.nn.ModuleDict(
         {"emb": torch.nn.Embedding(10, 4), "head": torch.nn.Linear(4, 10, bias=False)}
@@ -214,7 +238,11 @@ def test_optimizer_state_is_donated_and_host_counters_skipped(dev):
     states = [s for s in opt.state.values()]
     moments = [s[k] for s in states for k in ("exp_avg", "exp_avg_sq")]
     assert all(s["step"].device.type == "cpu" for s in states)
+    skipped = tdx.summary().skipped_on_cpu
     assert tdx.donate(opt) == 4
+    # Left out, not silently: the summary counts the two CPU step counters.
+    assert tdx.summary().skipped_on_cpu == skipped + 2
+    assert "skipped (on CPU)" in str(tdx.summary())
     # A functional Adam-like update of the moments, written into the state.
     for s in states:
         s["exp_avg"] = s["exp_avg"] * 0.9
@@ -229,9 +257,11 @@ def test_optimizer_state_is_donated_and_host_counters_skipped(dev):
 def test_optimizer_errors_name_the_state_entry(dev):
     model, opt = _adam_with_state(dev)
     opt.state[model.bias]["trace"] = torch.zeros(3)  # a host tensor, not a counter
+    skipped = tdx.summary().skipped_on_cpu
     with pytest.raises(ValueError, match=r"optimizer\.state\[1\]\['trace'\]"):
         tdx.donate(opt)
     assert not any(tdx.is_donated(s["exp_avg"]) for s in opt.state.values())
+    assert tdx.summary().skipped_on_cpu == skipped  # a refused call counts nothing
 
 
 def test_module_and_optimizer_together(dev):

@@ -3,6 +3,8 @@ blocking the loop: after ``sync(wait=False)`` a step's verdicts wait in
 flight and are settled by the next barrier, the first use, ``is_deleted``
 or ``settle()``; an unused donation is readable right after its step and
 can never fire later."""
+import warnings
+
 import pytest
 import torch
 import torch_xla
@@ -13,6 +15,7 @@ import torch_xla_donate as tdx
 import torch_xla_donate._outcomes.verdicts
 from torch_xla_donate import _C
 from torch_xla_donate._base import xla as _xla
+from torch_xla_donate._outcomes import unused
 
 
 def test_async_loop_never_blocks_and_every_verdict_is_right(dev, monkeypatch):
@@ -88,3 +91,170 @@ def test_open_verdicts_are_not_tracked_by_the_garbage_collector(dev):
     tdx.settle()
     assert all(record.verdict == _C.Verdict.REUSED for _, record in entries)
     assert [s.cpu()[0].item() for s in states[:3]] == [0.0, 2.0, 4.0]
+
+
+# -- an unusable donation: warned once per line and shape ------------------------
+#
+# A loop repeats an unusable donation at every step; the warning is given the
+# first time its (line, shape) is seen, whatever Python's filter says
+# ("always" here), while the ledger counts every one.  Strict mode raises
+# every time.  The contexts differ in where the verdict is reached: at the
+# barrier, at the next barrier (wait=False), at the end of a step block, after
+# a compiled call (dynamo's commit).
+
+
+def _no_output_fits(x, y):
+    return y.sum(0) * 2 + x.sum()  # reads x; no output has x's size
+
+
+def _lazy(fn, x, y):
+    out = fn(x, y)
+    torch_xla.sync()
+    return out
+
+
+def _not_waited(fn, x, y):
+    out = fn(x, y)
+    torch_xla.sync(wait=False)
+    return out
+
+
+def _step_block(fn, x, y):
+    with torch_xla.step():
+        return fn(x, y)
+
+
+_COMPILED = {}
+
+
+def _compiled(fn, x, y):
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn, backend="openxla")
+    out = _COMPILED[fn](x, y)
+    torch_xla.sync()
+    return out
+
+
+RUNS = {"lazy": _lazy, "wait_false": _not_waited, "step_block": _step_block,
+        "compiled": _compiled}
+
+
+@pytest.fixture
+def strict_mode(request):
+    previous = tdx.configure(strict=request.param)
+    yield request.param
+    tdx.configure(**previous)
+
+
+def _unused_warnings(caught):
+    return [str(w.message) for w in caught if issubclass(w.category, tdx.UnusedDonationWarning)]
+
+
+@pytest.mark.parametrize("strict_mode", [False, True], ids=["warn", "strict"], indirect=True)
+@pytest.mark.parametrize("run", RUNS)
+def test_a_repeated_unusable_donation_warns_once_and_strict_raises_each_time(
+        dev, run, strict_mode):
+    torch._dynamo.reset()
+    _COMPILED.clear()
+    x = materialize(torch.arange(5.0, device=dev))
+    ys = [materialize(torch.full((4, 3), float(i), device=dev)) for i in range(4)]
+    before = tdx.summary().totals.unused
+    raised = 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for y in ys:
+            try:
+                tdx.donate_buffer(x)  # one line, one shape, every step
+                out = RUNS[run](_no_output_fits, x, y)
+                tdx.settle()
+            except tdx.UnusedDonationError as error:
+                raised += 1
+                assert "f32[5]" in str(error) and "Said once" not in str(error)
+            assert not tdx.is_donated(x) and not tdx.is_deleted(x)
+            assert x.cpu().tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+    torch._dynamo.reset()
+    said = _unused_warnings(caught)
+    if strict_mode:
+        assert raised == len(ys) and said == []
+    else:
+        assert raised == 0 and len(said) == 1, said
+        assert "f32[5]" in said[0] and "Said once per line and shape" in said[0]
+        assert "Do not donate tensors that no output can take" in said[0]
+    # The ledger counts every step's unused donation, warned or not.
+    assert tdx.summary().totals.unused - before == len(ys)
+
+
+def test_a_new_shape_or_another_line_warns_again(dev):
+    y = materialize(torch.ones(4, device=dev))
+    said = []
+
+    def step(*donate_at_line):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for line in donate_at_line:
+                line()
+            out = y * 2
+            torch_xla.sync()
+            tdx.settle()
+        said.append(_unused_warnings(caught))
+        return out
+
+    a, b = materialize(torch.zeros(3, device=dev), torch.zeros(2, 2, device=dev))
+    c = materialize(torch.zeros(3, device=dev))
+
+    def line_a(t):
+        return lambda: tdx.donate_buffer(t)
+
+    step(line_a(a))                               # f32[3] at line A: new
+    step(line_a(a))                               # the same: silent
+    step(line_a(a), line_a(b))                    # f32[2,2] at line A: new, alone
+    step(lambda: tdx.donate_buffer(c))            # f32[3] at another line: new
+    step(line_a(a), line_a(b))                    # both known: silent
+    assert [len(s) for s in said] == [1, 0, 1, 1, 0], said
+    assert "f32[3]" in said[0][0]
+    assert "f32[2,2]" in said[2][0] and "f32[3]" not in said[2][0]
+    assert "f32[3]" in said[3][0]
+
+
+def test_one_warning_counts_every_donation_of_a_new_shape(dev):
+    """Two tensors of one shape from one line, unused in the same step: the
+    first warning names both ("2 x"); the next step is silent."""
+    ts = [materialize(torch.zeros(3, device=dev)) for _ in range(2)]
+    y = materialize(torch.ones(4, device=dev))
+    said = []
+    for _ in range(2):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            tdx.donate(ts)
+            out = y + 1
+            torch_xla.sync()
+            tdx.settle()
+        said.append(_unused_warnings(caught))
+    assert len(said[0]) == 1 and "2 x f32[3]" in said[0][0] and said[1] == []
+    assert out.cpu().tolist() == [2.0] * 4
+
+
+class _Record:
+    """What the warning reads of a ledger record."""
+
+    def __init__(self, shape, line):
+        self.file, self.line, self.shape_string = "train.py", line, shape
+        self.where, self.step = f"train.py:{line}", 1
+
+
+def test_the_memory_is_bounded_and_forget_empties_it(monkeypatch):
+    monkeypatch.setattr(unused, "MEMORY", 2)
+
+    def warned(record):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            unused.warn([(None, record)])
+        return len(_unused_warnings(caught))
+
+    first, second, third = _Record("f32[1]", 1), _Record("f32[2]", 1), _Record("f32[3]", 1)
+    assert [warned(first), warned(second), warned(first)] == [1, 1, 0]
+    assert warned(third) == 1  # pushes out the least recently seen: second
+    assert len(unused._said) == 2
+    assert [warned(first), warned(second)] == [0, 1]
+    unused.forget()
+    assert not unused._said and warned(first) == 1

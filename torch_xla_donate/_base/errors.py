@@ -24,7 +24,8 @@ class UnusedDonationWarning(UserWarning):
 
     The tensor was not an input of the step's graph, or no output of the same
     byte size was left to take its buffer.  The tensor keeps its value and is
-    no longer marked.
+    no longer marked.  Given once per line that marked it and shape (a loop
+    repeats it at every step); ``summary()`` counts every one.
     """
 
 

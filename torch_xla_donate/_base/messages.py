@@ -21,7 +21,9 @@ def warn_records(category, template, records) -> None:
     No step number in a warning: a loop that repeats the same unusable
     donation must repeat the same text, which Python's default filter then
     shows once.  A text per step would be shown, and remembered in the
-    caller's ``__warningregistry__``, at every step, without bound.
+    caller's ``__warningregistry__``, at every step, without bound.  (That
+    filter forgets whenever the filters change: the unused warning does not
+    rely on it, see _outcomes/unused.py.)
     """
     items = _describe(records)
     if issubclass(category, Exception) and not issubclass(category, Warning):

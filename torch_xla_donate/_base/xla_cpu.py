@@ -28,6 +28,22 @@ gives a ``StaleReadWarning`` naming the flag; nothing is changed silently.
 ``TORCH_XLA_DONATE_CPU_XNNPACK=keep`` leaves ``XLA_FLAGS`` alone (and warns
 as above).
 
+The tricky case: ``XLA_FLAGS`` replaced after the import
+--------------------------------------------------------
+A common SPMD recipe assigns ``os.environ["XLA_FLAGS"] = "--xla_force_host_
+platform_device_count=4"`` *after* the imports, which drops the flag added
+here.  XLA reads ``XLA_FLAGS`` when torch_xla's runtime starts (measured: an
+assignment after ``torch_xla.device()`` has no effect), so what counts is
+the variable at that moment.  ``recheck`` looks again until the runtime has
+started: at ``torch_xla.device()`` / ``torch_xla.devices()`` (wrapped by
+``watch_runtime_start``: just before the runtime can start), at every barrier
+and marking (``warning_due``) and in the reports.  Before the start it
+re-adds a dropped flag (state ``"re-added"``, logged); after a start it did
+not witness (a tensor created with ``device="xla"`` starts the runtime from
+C++), a missing flag means XLA runs with XNNPACK on (``"lost"``): the first
+donation warns, naming the fix.  Once the runtime has started the state is
+final and ``recheck`` costs one test of a global.
+
 Releases
 --------
 torch_xla 2.7 and 2.8 build XLA with XNNPACK off by default (measured: 2.8's
@@ -44,6 +60,7 @@ unless ``XLA_FLAGS`` turns XNNPACK on.
 >>> decide("CPU", "", runtime_started=True, supported=True, keep=False, default_on=False)
 'off by default'
 """
+import functools
 import logging
 import mmap
 import os
@@ -56,7 +73,8 @@ from .errors import StaleReadWarning
 from .sites import user_stacklevel
 
 __all__ = ["FLAG", "protect_at_import", "decide", "chosen_value", "flag_supported",
-           "on_by_default", "warn_if_unprotected", "warning_due", "state"]
+           "on_by_default", "recheck", "watch_runtime_start", "warn_if_unprotected",
+           "warning_due", "state", "describe"]
 
 FLAG = "--xla_cpu_use_xnnpack"
 KEEP_ENV = "TORCH_XLA_DONATE_CPU_XNNPACK"
@@ -69,9 +87,26 @@ FIRST_RELEASE_ON_BY_DEFAULT = (2, 9)
 # What the import decided: "added", "chosen" (XLA_FLAGS decides it, off),
 # "warn" (unprotected: warn at the first donation), "off by default" (this
 # release's XLA has it off), "none" (not the CPU backend, or this XLA has no
-# XNNPACK switch).
+# XNNPACK switch); and what recheck found later: "re-added", "lost".
 _state = "none"
 _warned = False
+# True once torch_xla's runtime has started (XLA has read XLA_FLAGS): the
+# state cannot change any more.
+_final = False
+# States that rely on XLA_FLAGS still switching XNNPACK off at the start.
+_RELIES_ON_FLAGS = ("added", "re-added", "chosen")
+# What each state means, for the reports.
+_MEANING = {
+    "added": "XNNPACK off: the package added {flag}=false to XLA_FLAGS",
+    "re-added": "XNNPACK off: XLA_FLAGS was replaced after the import; the package added "
+                "{flag}=false again before the runtime started",
+    "chosen": "XNNPACK off: XLA_FLAGS switches it off",
+    "off by default": "XNNPACK off: this torch_xla's XLA has it off by default",
+    "lost": "XNNPACK ON: XLA_FLAGS was replaced after the import without {flag}=false "
+            "and the runtime started with it; values of reused buffers can be stale",
+    "warn": "XNNPACK ON: values of reused buffers can be stale (see StaleReadWarning)",
+    "none": "not XLA:CPU, or no XNNPACK switch in this XLA: nothing to guard",
+}
 
 
 def chosen_value(xla_flags: str):
@@ -165,9 +200,72 @@ def protect_at_import(xlac) -> str:
     return decision
 
 
-def state() -> str:
-    """What the import decided: added, chosen, warn, off by default or none."""
+def recheck(xlac=None) -> str:
+    """Looks at ``XLA_FLAGS`` again until torch_xla's runtime has started
+    (see "The tricky case" above) and returns the state.
+
+    Before the start, a flag the import relied on and that is gone now is
+    added again; at or after it the state is final: ``"lost"`` if it was
+    gone, ``"warn"`` if ``XLA_FLAGS`` now turns XNNPACK on explicitly.
+    """
+    global _state, _final
+    if _final:
+        return _state
+    started = _runtime_started(xlac or torch_xla._XLAC)
+    flags = os.environ.get("XLA_FLAGS", "")
+    value = chosen_value(flags)
+    if value is True and _state in _RELIES_ON_FLAGS + ("off by default",):
+        _state = "warn"  # the user's own, explicit choice: warn, never override
+    elif value is None and _state in _RELIES_ON_FLAGS:
+        if started:
+            _state = "lost"
+        else:
+            os.environ["XLA_FLAGS"] = f"{flags} {FLAG}=false".strip()
+            _log.info("XLA_FLAGS was replaced after torch_xla_donate was imported: added "
+                      "%s=false again before torch_xla's runtime starts (put it in your "
+                      "assignment to say so yourself).", FLAG)
+            _state = "re-added"
+    _final = started
     return _state
+
+
+def watch_runtime_start(module=None) -> None:
+    """Wraps ``torch_xla.device`` and ``torch_xla.devices`` (``xm.xla_device``
+    calls the former) so that ``recheck`` runs just before they can start
+    the runtime, and once after.  Idempotent."""
+    module = module or torch_xla
+    for name in ("device", "devices"):
+        original = getattr(module, name, None)
+        if original is None or getattr(original, "_tdx_original", None) is not None:
+            continue
+
+        @functools.wraps(original)
+        def watched(*args, _original=original, **kwargs):
+            if _final:
+                return _original(*args, **kwargs)
+            recheck()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                recheck()
+
+        watched._tdx_original = original
+        setattr(module, name, watched)
+
+
+def state() -> str:
+    """The guard's state: added, re-added, chosen, off by default, warn,
+    lost or none (``recheck``'s answer)."""
+    return recheck()
+
+
+def describe() -> str:
+    """The guard's state in words, for ``summary()`` and ``metrics_report()``.
+
+    >>> describe().split(":")[0] in ("XNNPACK off", "XNNPACK ON", "not XLA")
+    True
+    """
+    return _MEANING[state()].format(flag=FLAG)
 
 
 def warn_if_unprotected() -> bool:
@@ -175,17 +273,26 @@ def warn_if_unprotected() -> bool:
     ``StaleReadWarning`` naming the flag.  True while a warning is still
     due (the fast path of marking stays closed until it was given)."""
     global _warned
-    if _state != "warn" or _warned:
+    if recheck() not in ("warn", "lost") or _warned:
         return False
     _warned = True
+    if _state == "lost":
+        why = ("XLA_FLAGS was assigned after torch_xla_donate was imported, without "
+               f"{FLAG}=false, and torch_xla's runtime started with it (the package could "
+               "not add the flag again: the runtime started from C++, not through "
+               "torch_xla.device()). Add it to your assignment, e.g. "
+               f"os.environ['XLA_FLAGS'] = '... {FLAG}=false', or assign XLA_FLAGS before "
+               "importing torch_xla_donate, to get values you can trust.")
+    else:
+        why = ("This process runs with XLA:CPU's XNNPACK on (XLA_FLAGS turns it on, "
+               "torch_xla's runtime had started before torch_xla_donate was imported, or "
+               f"{KEEP_ENV}=keep). Set XLA_FLAGS='{FLAG}=false' before torch_xla starts (or "
+               "import torch_xla_donate first) to get values you can trust.")
     warnings.warn(
         "torch_xla's CPU backend can compute a matmul with a buffer's old contents after "
         "the buffer was reused in place (a donation, or torch_xla's own aliasing of "
         "in-place updates), so a donating loop may drift from the same loop without "
-        "donation. This process runs with XLA:CPU's XNNPACK on (XLA_FLAGS turns it on, "
-        "torch_xla's runtime had started before torch_xla_donate was imported, or "
-        f"{KEEP_ENV}=keep). Set XLA_FLAGS='{FLAG}=false' before torch_xla starts (or "
-        "import torch_xla_donate first) to get values you can trust.",
+        "donation. " + why,
         StaleReadWarning,
         stacklevel=user_stacklevel(),
     )
@@ -193,5 +300,6 @@ def warn_if_unprotected() -> bool:
 
 
 def warning_due() -> bool:
-    """True until the first donation of an unprotected process has warned."""
-    return _state == "warn" and not _warned
+    """True until the first donation of an unprotected process has warned
+    (also when the guard was lost after the import: ``recheck``)."""
+    return recheck() in ("warn", "lost") and not _warned

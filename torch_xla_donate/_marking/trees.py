@@ -25,8 +25,15 @@ not know about:
 * a ``torch.optim.Optimizer`` stands for the tensors of its ``state``.  They
   are named as in ``optimizer.state_dict()``: ``optimizer.state[3]['exp_avg']``
   is the state of the fourth parameter across ``param_groups``.  torch.optim
-  keeps some counters (Adam's ``step``) as 0-dim tensors on the host on
-  purpose; those are not device buffers and are skipped.
+  keeps some counters (Adam's ``step``) as 0-dim tensors on the CPU by
+  default (unless ``capturable=True``); those are no device buffers, so they
+  are left out, and counted: ``summary()`` shows them as "skipped (on CPU)".
+  The state on the device is donated.
+
+Buffers of a module that a step only reads (a causal mask made with
+``register_buffer``) cannot be taken by any output: they come back unused
+with an ``UnusedDonationWarning`` naming them (``module.mask``).  Donate
+``list(model.parameters())`` instead, or leave the buffers out.
 
 Other non-tensor leaves (``None``, numbers, strings, objects) are skipped.
 The same tensor reached twice (tied weights, a tensor in two lists) is
@@ -53,7 +60,7 @@ from .._base.errors import DonatedBufferError
 from .._base.lock import lock
 from .._base.native import C, Via
 from .._base.sites import user_site, user_stacklevel
-from .._outcomes import ownership, poison
+from .._outcomes import ownership, poison, report, unused
 from . import graph_ops
 from .checks import check_donatable
 from .marks import mark
@@ -68,7 +75,13 @@ def donate(tree: Any) -> int:
       tree: a tensor, a pytree of tensors (lists, tuples, dicts, namedtuples,
         registered types), an ``nn.Module`` (its parameters and buffers) or a
         ``torch.optim.Optimizer`` (its state tensors), or any nest of these.
-        Non-tensor leaves are skipped.
+        Non-tensor leaves are skipped.  So are an optimizer's 0-dim tensors
+        on the CPU (torch.optim keeps ``state["step"]`` there by default):
+        the state on the device is donated, and ``summary()`` counts the
+        counters left out as "skipped (on CPU)".  A module's buffers are
+        donated with its parameters; one no output can take (a constant
+        mask) comes back unused with a warning: donate
+        ``list(model.parameters())`` to leave them out.
 
     Returns:
       The number of distinct tensors of ``tree`` now marked for the next step:
@@ -129,7 +142,7 @@ def donate_named(named_trees, where, via) -> int:
 
 def _donate_checked(named_trees, where, via) -> int:
     """``donate_named`` path by path: every error names its leaf."""
-    leaves = _tensor_leaves(named_trees)
+    leaves, buffers, host_counters = _tensor_leaves(named_trees)
     for path, tensor in leaves:
         _checked(path, check_donatable, tensor)
     if leaves and not (config.enabled() and xla.aliasing_enabled()):
@@ -149,6 +162,9 @@ def _donate_checked(named_trees, where, via) -> int:
         for tensor in newly_marked:
             undonate(tensor)
         raise
+    # Only now that the call marked: a refused call leaves nothing behind.
+    unused.note_module_buffers(buffers)
+    report.note_skipped_on_cpu(host_counters)
     return sum(1 for _, tensor in leaves if C.is_marked(tensor))
 
 
@@ -225,35 +241,47 @@ def tensors_in(named_trees) -> list:
     return out
 
 
-def _tensor_leaves(named_trees) -> list:
-    """Every distinct tensor of the trees as ``(path, tensor)``, first path wins."""
-    seen, leaves = set(), []
+def _tensor_leaves(named_trees):
+    """Every distinct tensor of the trees as ``(path, tensor)``, first path
+    wins; with the ``(path, tensor)`` of those that are module buffers, and
+    how many host-side optimizer counters were left out."""
+    seen, leaves, buffers, host_counters = set(), [], [], 0
     for label, tree in named_trees:
         check_root(label, tree)
-        for path, tensor in _walk(label, tree, host_scalars_ok=False):
-            if id(tensor) not in seen:
-                seen.add(id(tensor))
-                leaves.append((path, tensor))
-    return leaves
+        for path, tensor, kind in _walk(label, tree, host_scalars_ok=False):
+            if id(tensor) in seen:
+                continue
+            seen.add(id(tensor))
+            if kind == "host counter":
+                host_counters += 1
+                continue
+            leaves.append((path, tensor))
+            if kind == "buffer":
+                buffers.append((path, tensor))
+    return leaves, buffers, host_counters
 
 
 def _walk(label, tree, host_scalars_ok):
-    """Yields ``(path, tensor)`` for the tensors of ``tree``.
+    """Yields ``(path, tensor, kind)`` for the tensors of ``tree``; ``kind``
+    is None, "buffer" (of a module) or "host counter" (an optimizer's 0-dim
+    CPU tensor, not to be donated).
 
-    >>> [p for p, _ in _walk("params", {"w": [torch.ones(1), 3]}, False)]
+    >>> [p for p, _, _ in _walk("params", {"w": [torch.ones(1), 3]}, False)]
     ["params['w'][0]"]
     """
     for key_path, leaf in pytree.tree_flatten_with_path(tree)[0]:
         path = label + pytree.keystr(key_path)
         if isinstance(leaf, torch.Tensor):
             if host_scalars_ok and leaf.dim() == 0 and not xla.is_xla(leaf):
-                continue  # torch.optim's host-side counter, not a device buffer
-            yield path, leaf
+                # torch.optim's host-side counter (state["step"]), not a device buffer
+                yield path, leaf, "host counter"
+            else:
+                yield path, leaf, None
         elif isinstance(leaf, torch.nn.Module):
             for name, tensor in leaf.named_parameters():
-                yield f"{path}.{name}", tensor
+                yield f"{path}.{name}", tensor, None
             for name, tensor in leaf.named_buffers():
-                yield f"{path}.{name}", tensor
+                yield f"{path}.{name}", tensor, "buffer"
         elif isinstance(leaf, torch.optim.Optimizer):
             yield from _optimizer_state(path, leaf)
 

@@ -18,6 +18,11 @@ its step ran:
   verdicts are known only at the next barrier, the first use of a donated
   tensor, ``is_deleted`` or ``torch_xla_donate.settle()``.
 
+Not a donation, but counted so that nothing is left out silently:
+*skipped (on CPU)*, the 0-dim CPU tensors of an optimizer's state
+(torch.optim's ``state["step"]``) that ``donate(optimizer)`` left out
+(``Summary.skipped_on_cpu``, since import).
+
 Ways to look:
 
 * ``last_step_report()`` and ``summary()`` return small dataclasses; ``str()``
@@ -48,7 +53,7 @@ import threading
 import warnings
 from collections import Counter
 
-from .._base import xla
+from .._base import xla, xla_cpu
 from .._base.native import C
 from . import verdicts
 
@@ -185,6 +190,9 @@ class Summary:
     steps: int
     totals: StepReport
     history: tuple[StepReport, ...]
+    skipped_on_cpu: int = 0  # optimizer counters on the CPU donate() left out
+    # The CPU backend's XNNPACK guard (``_base/xla_cpu.py``), in words.
+    cpu_guard: str = ""
 
     @property
     def unused_shapes(self) -> Counter:
@@ -211,12 +219,17 @@ class Summary:
             f"  {name:<18} {count:>8}" + (f"  {_size(nbytes)}" if nbytes is not None else "")
             for name, count, nbytes in rows
         ]
+        if self.skipped_on_cpu:
+            lines.append(f"  {'skipped (on CPU)':<18} {self.skipped_on_cpu:>8}  not donated: "
+                         "optimizer counters torch.optim keeps on the CPU (state['step'])")
         if self.unused_shapes:
             common = ", ".join(f"{s} x{n}" for s, n in self.unused_shapes.most_common(5))
             lines.append(f"  unused shapes (last {len(self.history)} steps): {common}")
         if self.history:
             lines.append(f"  last steps (of {len(self.history)} kept):")
             lines += [f"    {r}" for r in self.history[-5:]]
+        if self.cpu_guard:
+            lines.append(f"  XLA:CPU: {self.cpu_guard}")
         return "\n".join(lines)
 
 
@@ -240,15 +253,30 @@ def summary() -> Summary:
     """Totals across steps, plus the reports of the steps still in history.
 
     Returns:
-      A ``Summary``: ``steps``, ``totals`` (a ``StepReport`` without a step)
-      and ``history`` (the last ``HISTORY_STEPS`` steps that donated).
+      A ``Summary``: ``steps``, ``totals`` (a ``StepReport`` without a step),
+      ``history`` (the last ``HISTORY_STEPS`` steps that donated) and
+      ``skipped_on_cpu`` (optimizer counters ``donate`` left out).
     """
     totals = C.totals()
     return Summary(
         steps=totals["steps"],
         totals=StepReport._from_stats(totals, step=None),
         history=tuple(StepReport._from_stats(s) for s in C.history()),
+        skipped_on_cpu=_skipped_on_cpu,
+        cpu_guard=xla_cpu.describe(),
     )
+
+
+_skipped_on_cpu = 0
+
+
+def note_skipped_on_cpu(count: int) -> None:
+    """Counts ``count`` optimizer state tensors on the CPU that ``donate``
+    left out (torch.optim's ``state["step"]``)."""
+    global _skipped_on_cpu
+    if count:
+        with _lock:
+            _skipped_on_cpu += count
 
 
 def metrics_report() -> str:
@@ -256,10 +284,15 @@ def metrics_report() -> str:
     ``torch_xla.debug.metrics.short_metrics_report()``.
 
     Returns:
-      One ``Counter: name`` / ``Value: n`` pair per entry of ``COUNTERS``.
+      One ``Counter: name`` / ``Value: n`` pair per entry of ``COUNTERS``,
+      then the CPU backend's XNNPACK guard (``Setting: XlaCpuXnnpackGuard``,
+      its state and what it means) where there is one to report.
     """
     totals = C.totals()
-    return "".join(f"Counter: {name}\n  Value: {totals[field]}\n" for name, field in COUNTERS.items())
+    text = "".join(f"Counter: {name}\n  Value: {totals[field]}\n" for name, field in COUNTERS.items())
+    if xla_cpu.state() != "none":
+        text += f"Setting: XlaCpuXnnpackGuard\n  Value: {xla_cpu.state()} ({xla_cpu.describe()})\n"
+    return text
 
 
 # -- Listening to the step hook ------------------------------------------------

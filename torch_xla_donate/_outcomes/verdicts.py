@@ -25,8 +25,9 @@ The verdicts
 ------------
 * REUSED: the buffer is gone; the tensor stays poisoned;
 * UNUSED: no output could take it (or it was no input of the graph): the
-  tensor gets its value back and an ``UnusedDonationWarning`` says so
-  (``UnusedDonationError`` in strict mode);
+  tensor gets its value back and an ``UnusedDonationWarning`` says so, once
+  per line and shape (unused.py; ``UnusedDonationError`` in strict mode,
+  every time);
 * STEP_FAILED: the execution failed (failures.py): value kept, quietly;
 * LOST: the execution failed and torch_xla lost the buffer with it
   (torch_xla 2.7 on a compile error): the tensor refuses use.
@@ -34,12 +35,10 @@ The verdicts
 torch_xla's donor flag was cleared as soon as the execution had built its
 graph (commit.py), so an unused donation cannot fire at a later step.
 """
-from .._base import config, xla
-from .._base.errors import UnusedDonationError, UnusedDonationWarning
+from .._base import xla
 from .._base.lock import lock
-from .._base.messages import warn_records
 from .._base.native import C
-from . import devices, failures, ownership, poison
+from . import devices, failures, ownership, poison, unused
 
 __all__ = ["after_commit", "settle", "settle_one", "abandon", "failed", "settled_listeners",
            "notify_settled"]
@@ -113,11 +112,11 @@ def _settle(entries, certain: bool) -> list:
         failed([e for e in entries if failures.in_failed_step(e[1])])
     # Natively, per entry: skip it if a use of the tensor settled it in the
     # meantime; REUSED if its buffer is deleted; else unused or unknown.
-    unknown, unused = C.settle_entries(entries, certain)
-    for t, record in unused:
+    unknown, unusable = C.settle_entries(entries, certain)
+    for t, record in unusable:
         _unuse(t, record)
-    if unused:
-        _warn_unused([record for _, record in unused])
+    if unusable:
+        unused.warn(unusable)
     return unknown
 
 
@@ -148,7 +147,7 @@ def settle_one(t, record) -> None:
         else:
             _unuse(held, record)
             notify_settled()
-            _warn_unused([record])
+            unused.warn([(held, record)])
             return
         notify_settled()
 
@@ -200,8 +199,6 @@ def in_flight_count() -> int:
     return len(_in_flight)
 
 
-
-
 def _unuse(t, record) -> None:
     C.settle(record, C.Verdict.UNUSED)
     poison.unpoison(t)
@@ -212,15 +209,3 @@ def _fail(t, record) -> None:
     (the step's error is the user's news, not an unused donation)."""
     C.settle(record, C.Verdict.STEP_FAILED)
     poison.unpoison(t)
-
-
-def _warn_unused(records) -> None:
-    """Tells the user which donations no output could take: a warning, or in
-    strict mode an error (raised after the ledger is consistent)."""
-    warn_records(
-        UnusedDonationError if config.strict() else UnusedDonationWarning,
-        "Some donated buffers were not usable{at_step}: {items}. No output of the "
-        "execution could take them (or they were no input of its graph); they keep "
-        "their values and are no longer marked.",
-        records,
-    )
