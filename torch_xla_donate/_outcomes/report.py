@@ -48,7 +48,7 @@ import threading
 import warnings
 from collections import Counter
 
-from .._base import xla
+from .._base import reads, xla
 from .._base.native import C
 from . import verdicts
 
@@ -185,6 +185,9 @@ class Summary:
     steps: int
     totals: StepReport
     history: tuple[StepReport, ...]
+    # How the plugin asks torch_xla about tensors: "native reads", or
+    # "_XLAC (<why not native>)" (_base/reads.py).
+    reads: str = ""
 
     @property
     def unused_shapes(self) -> Counter:
@@ -217,6 +220,8 @@ class Summary:
         if self.history:
             lines.append(f"  last steps (of {len(self.history)} kept):")
             lines += [f"    {r}" for r in self.history[-5:]]
+        if self.reads:
+            lines.append(f"  tensor reads: {self.reads}")
         return "\n".join(lines)
 
 
@@ -248,6 +253,7 @@ def summary() -> Summary:
         steps=totals["steps"],
         totals=StepReport._from_stats(totals, step=None),
         history=tuple(StepReport._from_stats(s) for s in C.history()),
+        reads=reads.path(),
     )
 
 
@@ -256,10 +262,14 @@ def metrics_report() -> str:
     ``torch_xla.debug.metrics.short_metrics_report()``.
 
     Returns:
-      One ``Counter: name`` / ``Value: n`` pair per entry of ``COUNTERS``.
+      One ``Counter: name`` / ``Value: n`` pair per entry of ``COUNTERS``,
+      then ``TensorReads: <path>``: how the plugin asks torch_xla about
+      tensors ("native reads" or "_XLAC (<why>)").
     """
     totals = C.totals()
-    return "".join(f"Counter: {name}\n  Value: {totals[field]}\n" for name, field in COUNTERS.items())
+    counters = "".join(f"Counter: {name}\n  Value: {totals[field]}\n"
+                       for name, field in COUNTERS.items())
+    return counters + f"TensorReads: {reads.path()}\n"
 
 
 # -- Listening to the step hook ------------------------------------------------
