@@ -50,10 +50,9 @@ PyObject* BufferKey(PyObject*, PyObject* t) {
 
 // The fields of lazy_facts' tuple, in order (LAZY_FACT_FIELDS).
 constexpr const char* kFields[] = {
-    "is_functional",     "tensor_id",        "has_handle",          "has_value",
-    "has_ir",            "ir_is_device_data", "pending",            "buffer_use_count",
-    "expected_holders",  "owner_tensor_id",   "xla_tensor_refcount", "buffer",
-    "handle",
+    "is_functional",       "tensor_id", "has_handle",       "has_value",        "has_ir",
+    "ir_is_device_data",   "pending",   "buffer_use_count", "expected_holders", "owner_tensor_id",
+    "xla_tensor_refcount", "buffer",    "handle",
 };
 
 py::object FactsTuple(const LazyFacts& f) {
@@ -71,10 +70,12 @@ bool ReadMaybeForced(py::handle t, bool force, LazyFacts* facts) {
 }
 
 // (expected, actual, xla_tensor_refcount) of a tensor with a handle; None
-// when it has none or the read declines.
+// when it has none or the read declines, and without functionalization:
+// torch_xla's own views then hold buffers these headers cannot see (a
+// tensor once read through a view counts one holder more for good).
 py::object Holders(py::handle t, bool force) {
   LazyFacts f;
-  if (!ReadMaybeForced(t, force, &f) || !f.has_handle) return py::none();
+  if (!ReadMaybeForced(t, force, &f) || !f.has_handle || !f.is_functional) return py::none();
   return py::make_tuple(f.expected_holders, f.buffer_use_count, f.xla_tensor_refcount);
 }
 
@@ -140,7 +141,8 @@ void RegisterLazyReads(PyObject* module) {
       py::arg("tensors"), py::arg("force") = false,
       "For each tensor: (expected, actual, xla_tensor_refcount), the buffer holders a clean "
       "tensor has, those it has, and the owners of its XLATensor (2+: shared by Python "
-      "tensors); None without a handle or when the read declines.");
+      "tensors); None without a handle, without functionalization, or when the read "
+      "declines.");
   m.def(
       "lazy_owner_ids",
       [](py::iterable tensors, bool force) {
@@ -167,8 +169,7 @@ void RegisterLazyReads(PyObject* module) {
         std::string why;
         return LearnXlaTensorType(impl, &why) ? std::string() : why;
       },
-      py::arg("tensor"),
-      "Learns XLATensorImpl's type from a known XLA tensor: '' or why not.");
+      py::arg("tensor"), "Learns XLATensorImpl's type from a known XLA tensor: '' or why not.");
   m.def("lazy_set_enabled", &SetLazyReadsEnabled, py::arg("on"));
   m.def("lazy_enabled", &LazyReadsEnabled);
   m.def(

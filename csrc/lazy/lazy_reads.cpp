@@ -99,8 +99,8 @@ bool Read(c10::TensorImpl* outer, LazyFacts* out) {
   if (xla_vtable == nullptr) return false;
   c10::TensorImpl* impl = Unwrapped(outer, &out->is_functional);
   if (impl == nullptr || VtableOf(impl) != xla_vtable) return false;
-  auto* lazy = *reinterpret_cast<LazyTensor* const*>(reinterpret_cast<const char*>(impl) +
-                                                     kXlaTensorOffset);
+  auto* lazy =
+      *reinterpret_cast<LazyTensor* const*>(reinterpret_cast<const char*>(impl) + kXlaTensorOffset);
   if (lazy == nullptr) return false;
   out->xla_tensor_refcount = static_cast<long>(c10::raw::intrusive_ptr::use_count(lazy));
   const std::shared_ptr<LazyTensor::Data>& data = lazy->data();

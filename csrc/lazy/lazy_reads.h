@@ -53,8 +53,11 @@ struct LazyFacts {
   // IR value is a device_data node + 1 if it has no value yet (the output
   // of a step still dispatching).  -1 without a handle.
   long expected_holders = -1;
-  // The tensor id torch_xla files the buffer under (LazyGraphExecutor::
+  // The tensor id the buffer is filed under now (LazyGraphExecutor::
   // DeviceDataInfo::tensor_id); -1 when the buffer carries no such info.
+  // torch_xla's owner query may answer otherwise: it files a handle without
+  // a cached IR value under the tensor itself (lazy_owner_ids says what it
+  // would answer, without doing it).
   int64_t owner_tensor_id = -1;
   // Owners of the XLATensor: 1, or more when torch_xla made two Python
   // tensors share one (`_replace_xla_tensor`).

@@ -257,6 +257,30 @@ def test_a_self_test_mismatch_falls_back_and_says_why():
     assert out["PATH"] in out["SUMMARY"] and out["PATH"] in out["METRICS"]
 
 
+_NOT_TESTABLE_FIRST = """
+from torch._subclasses.fake_tensor import FakeTensorMode
+class W(torch.Tensor):
+    @staticmethod
+    def __new__(cls, inner):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype,
+                                                   device=inner.device)
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(func)
+dev = torch_xla.device()
+with FakeTensorMode():
+    fake = torch.ones(3, device=dev)
+    assert reads.holders([fake]) == [None]
+assert reads.holders([W(torch.ones(3).to(dev))]) == [None]
+assert reads.path() == "not decided yet", reads.path()
+"""
+
+
+def test_a_first_read_the_self_test_cannot_use_waits():
+    """A fake tensor or a wrapper subclass on the XLA device, first: no verdict yet."""
+    assert _first_read(setup=_NOT_TESTABLE_FIRST)["PATH"] == "native reads"
+
+
 _NO_FUNCTIONALIZATION = """
 import torch, torch_xla
 import torch_xla.core.xla_model as xm
@@ -273,6 +297,8 @@ stale = base[0:2]; base.add_(1)     # a view with an update pending
 for t in (base, v, copy, pending, stale):
     n = [reads.tensor_id(t), reads.is_pending(t)]
     assert n == [X._xla_get_tensor_id(t), X._check_tensor_need_materialization([t])[0]], n
+sync()
+assert reads.holders([base, copy]) == [None, None]  # torch_xla's views hold buffers unseen
 print("PATH:", reads.path())
 print("FUNCTIONAL:", [_C.lazy_facts(t)[0] for t in (copy,) if _C.lazy_facts(t)])
 """

@@ -65,6 +65,8 @@ import threading
 import types
 from typing import NamedTuple
 
+from torch.utils import _python_dispatch
+
 from . import reads_check, xla
 from .native import C
 
@@ -209,12 +211,25 @@ def _decide(sample) -> None:
 
 
 def _selected(t):
-    """The twin to ask about ``t``, deciding at the first XLA tensor."""
+    """The twin to ask about ``t``, deciding at the first read of a real
+    XLA tensor."""
     if not _decided:
-        if not xla.is_xla_tensor(t):
-            return xlac if not isinstance(t, (list, tuple)) or not t else _selected(t[0])
+        if isinstance(t, list):
+            return _selected(t[0]) if t else xlac
+        if not _can_decide_on(t):
+            return xlac
         _decide(t)
     return native if _why_off is None else xlac
+
+
+def _can_decide_on(t) -> bool:
+    """The self-test needs a plain XLA tensor outside any dispatch mode: a
+    first read on a FakeTensor, a functorch wrapper or a wrapper subclass
+    (which may say it is on the XLA device), or under a tracing mode, waits
+    for a later read rather than turn native reads off for good."""
+    if not xla.is_xla_tensor(t) or _python_dispatch._get_current_dispatch_mode() is not None:
+        return False
+    return C.lazy_learn(t) == ""
 
 
 def tensor_id(t) -> int:
