@@ -100,11 +100,17 @@ cc_library(
 
 # libtorch_cpu.so: what csrc/lazy/lazy_reads.cpp calls out of line
 # (LazyTensor::data(), torch::lazy::getBackend(), ...).  Headers come from
-# :torch_python_headers.
+# :torch_python_headers.  Linked by flags, not as a source: Bazel would load
+# it from a copy in its own library folder, where the $ORIGIN-relative rpath
+# of a CUDA build of torch (../../nvidia/*/lib: libcupti, libcudart) finds
+# nothing, and `import torch_xla_donate._C` without torch would fail.
 cc_library(
     name = "torch_cpu",
-    srcs = ["torch_lib/libtorch_cpu.so"],
-    linkopts = ["-Wl,-rpath,{torch_lib}"],
+    linkopts = [
+        "-L{torch_lib}",
+        "-ltorch_cpu",
+        "-Wl,-rpath,{torch_lib}",
+    ],
     deps = [":c10"],
 )
 
