@@ -15,8 +15,10 @@ from setuptools import find_packages, setup
 
 # csrc/base/tensor_facts.cpp and csrc/outcomes/record_tag.cpp reach tensors
 # through torch's c10 headers, csrc/base/variable.cpp through the inline code
-# of torch's python_variable.h (all ship in the torch wheel); the module
-# links libc10 only.
+# of torch's python_variable.h (all ship in the torch wheel);
+# csrc/lazy/lazy_reads.cpp through torch's lazy-tensor headers, whose
+# out-of-line functions (LazyTensor::data(), torch::lazy::getBackend(), ...)
+# libtorch_cpu exports: the module links libc10 and libtorch_cpu.
 # -idirafter: torch/include also holds a copy of pybind11, which must not
 # shadow the pybind11 we build with.
 # One place for the version: the package's __version__, read without importing
@@ -38,7 +40,7 @@ ext = Pybind11Extension(
     # The torch this is built against: the extension refuses another at import.
     define_macros=[("TDX_BUILT_FOR_TORCH", f'"{torch.__version__}"')],
     library_dirs=[TORCH_LIB],
-    libraries=["c10"],
+    libraries=["c10", "torch_cpu"],
     runtime_library_dirs=[TORCH_LIB],
     cxx_std=17,
 )

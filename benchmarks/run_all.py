@@ -25,9 +25,10 @@ BENCHMARKS = {
     "sharing_slices": ("bench_sharing.py", ["--slices"], ["--slices"]),
     "xnnpack_flag": ("bench_xnnpack_flag.py", [], ["--rounds", "1"]),
     "instructions": ("bench_instructions.py", [], ["--tensors", "50", "--steps", "2"]),
+    "reads": ("bench_reads.py", [], ["--calls", "300"]),
 }
 # Tools a benchmark needs beyond Python: without them it is skipped, and says so.
-NEEDS = {"instructions": "valgrind"}
+NEEDS = {"instructions": "valgrind", "reads": "valgrind"}
 # Result files a benchmark writes besides results/<its name>.md.
 EXTRA_RESULTS = {"memory": ["memory_decode"]}
 

@@ -8,6 +8,8 @@
 //   outcomes/  poison (the native twin of poison.py), record_tag (the record
 //              a poisoned TensorImpl carries), ownership (live objects)
 //   hooks/     commit (a step's batch helpers), trampoline (_C.Trampoline)
+//   lazy/      lazy_reads (torch_xla's answers read through torch's lazy-tensor
+//              headers), lazy_bindings (its lazy_* functions)
 //
 // This file binds the ledger and the record tags; each folder registers
 // the rest itself.
@@ -25,6 +27,7 @@
 #include "base/tensor_facts.h"
 #include "hooks/commit.h"
 #include "hooks/trampoline.h"
+#include "lazy/lazy_bindings.h"
 #include "marking/marking.h"
 #include "outcomes/ownership.h"
 #include "outcomes/poison.h"
@@ -113,6 +116,7 @@ PYBIND11_MODULE(_C, m) {
   RegisterCommit(m.ptr());
   RegisterOwnership(m.ptr());
   RegisterTrampoline(m.ptr());
+  RegisterLazyReads(m.ptr());
 
   m.def(
       "mark",

@@ -3,6 +3,8 @@ imports nothing above it (test/base/test_layering.py checks).
 
 * ``native``: the one owner of the native library ``_C``;
 * ``xla``: the one owner of torch_xla's private ``_XLAC`` calls;
+* ``reads``: torch_xla's answers about a tensor read natively (guarded,
+  self-tested by ``reads_check``) or through ``xla``, one API;
 * ``compat``: supported releases and their differences;
 * ``config``: the switches; ``errors``: what a user can meet;
 * ``lock``: the one lock of the critical sections; ``fast_path``: when

@@ -53,7 +53,7 @@ import threading
 import warnings
 from collections import Counter
 
-from .._base import xla, xla_cpu
+from .._base import reads, xla, xla_cpu
 from .._base.native import C
 from . import verdicts
 
@@ -193,6 +193,9 @@ class Summary:
     skipped_on_cpu: int = 0  # optimizer counters on the CPU donate() left out
     # The CPU backend's XNNPACK guard (``_base/xla_cpu.py``), in words.
     cpu_guard: str = ""
+    # How the plugin asks torch_xla about tensors: "native reads", or
+    # "_XLAC (<why not native>)" (_base/reads.py).
+    reads: str = ""
 
     @property
     def unused_shapes(self) -> Counter:
@@ -230,6 +233,8 @@ class Summary:
             lines += [f"    {r}" for r in self.history[-5:]]
         if self.cpu_guard:
             lines.append(f"  XLA:CPU: {self.cpu_guard}")
+        if self.reads:
+            lines.append(f"  tensor reads: {self.reads}")
         return "\n".join(lines)
 
 
@@ -264,6 +269,7 @@ def summary() -> Summary:
         history=tuple(StepReport._from_stats(s) for s in C.history()),
         skipped_on_cpu=_skipped_on_cpu,
         cpu_guard=xla_cpu.describe(),
+        reads=reads.path(),
     )
 
 
@@ -285,11 +291,14 @@ def metrics_report() -> str:
 
     Returns:
       One ``Counter: name`` / ``Value: n`` pair per entry of ``COUNTERS``,
-      then the CPU backend's XNNPACK guard (``Setting: XlaCpuXnnpackGuard``,
-      its state and what it means) where there is one to report.
+      then ``Setting: name`` / ``Value: ...`` pairs: ``TensorReads``, how the
+      plugin asks torch_xla about tensors ("native reads" or "_XLAC
+      (<why>)"), and on XLA:CPU ``XlaCpuXnnpackGuard``, the XNNPACK guard's
+      state and what it means.
     """
     totals = C.totals()
     text = "".join(f"Counter: {name}\n  Value: {totals[field]}\n" for name, field in COUNTERS.items())
+    text += f"Setting: TensorReads\n  Value: {reads.path()}\n"
     if xla_cpu.state() != "none":
         text += f"Setting: XlaCpuXnnpackGuard\n  Value: {xla_cpu.state()} ({xla_cpu.describe()})\n"
     return text

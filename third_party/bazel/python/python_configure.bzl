@@ -10,6 +10,8 @@ C headers and pybind11's headers are, and generates a repository with:
   :c10             cc_library of torch's c10 headers and libc10.so, from the
                    torch wheel installed for that python (with torch's
                    _GLIBCXX_USE_CXX11_ABI)
+  :torch_cpu       cc_library of libtorch_cpu.so (the out-of-line functions
+                   of torch's lazy-tensor headers, for csrc/lazy/)
   :py_toolchain    a Python toolchain whose interpreter is that python, so
                    py_binary / py_test run with it (and its site-packages)
   defs.bzl         PYTHON_BIN, PYTHON_VERSION, PYTHON_EXT_SUFFIX
@@ -94,6 +96,22 @@ cc_library(
         "torch_include/torch/csrc/**/*.h",
     ]),
     deps = [":c10", ":pybind11"],
+)
+
+# libtorch_cpu.so: what csrc/lazy/lazy_reads.cpp calls out of line
+# (LazyTensor::data(), torch::lazy::getBackend(), ...).  Headers come from
+# :torch_python_headers.  Linked by flags, not as a source: Bazel would load
+# it from a copy in its own library folder, where the $ORIGIN-relative rpath
+# of a CUDA build of torch (../../nvidia/*/lib: libcupti, libcudart) finds
+# nothing, and `import torch_xla_donate._C` without torch would fail.
+cc_library(
+    name = "torch_cpu",
+    linkopts = [
+        "-L{torch_lib}",
+        "-ltorch_cpu",
+        "-Wl,-rpath,{torch_lib}",
+    ],
+    deps = [":c10"],
 )
 
 py_runtime(

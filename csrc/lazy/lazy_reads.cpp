@@ -1,0 +1,172 @@
+// See lazy_reads.h.  The only file that includes torch's lazy-tensor and
+// functionalization headers (they pull in much of ATen: keep them here).
+// What it calls out of line lives in libtorch_cpu (LazyTensor::data(),
+// FunctionalTensorWrapper::is_up_to_date(), torch::lazy::getBackend(),
+// c10::Symbol::fromQualString()); BackendData's HasValue() and GetHandle()
+// are virtual calls into torch_xla.
+#include "lazy/lazy_reads.h"
+
+#include <ATen/FunctionalTensorWrapper.h>
+#include <c10/core/TensorImpl.h>
+#include <c10/util/intrusive_ptr.h>
+#include <cxxabi.h>
+#include <torch/csrc/lazy/backend/backend_data.h>
+#include <torch/csrc/lazy/backend/backend_interface.h>
+#include <torch/csrc/lazy/core/ir.h>
+#include <torch/csrc/lazy/core/lazy_graph_executor.h>
+#include <torch/csrc/lazy/core/tensor.h>
+
+#include <atomic>
+#include <cstddef>
+#include <cstdlib>
+#include <exception>
+#include <typeinfo>
+
+namespace torch_xla_donate {
+namespace {
+
+using torch::lazy::BackendData;
+using torch::lazy::LazyGraphExecutor;
+using torch::lazy::LazyTensor;
+
+// Where a c10::TensorImpl subclass puts its first member of pointer size:
+// what XLATensorImpl's `XLATensorPtr tensor_` is (the compiler's layout of
+// the base, tail padding included, not a hand-written number).
+struct FirstMemberProbe : c10::TensorImpl {
+  c10::intrusive_ptr<LazyTensor> first;
+};
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Winvalid-offsetof"
+constexpr size_t kXlaTensorOffset = offsetof(FirstMemberProbe, first);
+#pragma GCC diagnostic pop
+
+constexpr char kXlaTensorImplName[] = "torch_xla::XLATensorImpl";
+
+std::atomic<const void*> g_xla_impl_vtable{nullptr};
+// DeviceDataInfo's vtable as last seen, to skip the dynamic_cast.
+std::atomic<const void*> g_device_data_info_vtable{nullptr};
+std::atomic<bool> g_enabled{false};
+
+const void* VtableOf(const void* object) { return *static_cast<const void* const*>(object); }
+
+const c10::Symbol& DeviceDataOp() {
+  static const c10::Symbol op = c10::Symbol::fromQualString("xla::device_data");
+  return op;
+}
+
+std::string Demangled(const char* name) {
+  int status = 0;
+  char* text = abi::__cxa_demangle(name, nullptr, nullptr, &status);
+  std::string out = status == 0 && text ? text : name;
+  std::free(text);
+  return out;
+}
+
+// The TensorImpl torch_xla sees behind `impl`: the wrapped value of a
+// functional wrapper (at::functionalization::impl::isFunctionalTensor and
+// unsafeGetFunctionalWrapper, which test and cast the same way).  nullptr
+// for a wrapper with updates it has not applied yet: torch_xla syncs it
+// first (a change this read must not make).
+c10::TensorImpl* Unwrapped(c10::TensorImpl* impl, bool* functional) {
+  *functional = impl->key_set().has(c10::DispatchKey::Functionalize);
+  if (!*functional) return impl;
+  auto* wrapper = static_cast<at::FunctionalTensorWrapper*>(impl);
+  if (!wrapper->is_up_to_date()) return nullptr;
+  return wrapper->value().unsafeGetTensorImpl();
+}
+
+int64_t OwnerId(const BackendData& buffer) {
+  BackendData::Info* info = buffer.info();
+  if (info == nullptr) return -1;
+  if (VtableOf(info) != g_device_data_info_vtable.load(std::memory_order_relaxed)) {
+    auto* data_info = dynamic_cast<LazyGraphExecutor::DeviceDataInfo*>(info);
+    if (data_info == nullptr) return -1;
+    g_device_data_info_vtable.store(VtableOf(info), std::memory_order_relaxed);
+  }
+  return static_cast<LazyGraphExecutor::DeviceDataInfo*>(info)->tensor_id;
+}
+
+void ReadBuffer(BackendData& buffer, LazyFacts* out) {
+  out->buffer = reinterpret_cast<uintptr_t>(&buffer);
+  out->has_value = buffer.HasValue();
+  // torch_xla's GetHandle() refuses a deleted buffer.
+  out->handle = out->has_value ? buffer.GetHandle() : 0;
+  out->owner_tensor_id = OwnerId(buffer);
+}
+
+bool Read(c10::TensorImpl* outer, LazyFacts* out) {
+  const void* xla_vtable = g_xla_impl_vtable.load(std::memory_order_acquire);
+  if (xla_vtable == nullptr) return false;
+  c10::TensorImpl* impl = Unwrapped(outer, &out->is_functional);
+  if (impl == nullptr || VtableOf(impl) != xla_vtable) return false;
+  auto* lazy =
+      *reinterpret_cast<LazyTensor* const*>(reinterpret_cast<const char*>(impl) + kXlaTensorOffset);
+  if (lazy == nullptr) return false;
+  out->xla_tensor_refcount = static_cast<long>(c10::raw::intrusive_ptr::use_count(lazy));
+  const std::shared_ptr<LazyTensor::Data>& data = lazy->data();
+  out->tensor_id = data->unique_id;
+  const torch::lazy::Value& ir = data->ir_value;
+  out->has_ir = ir.node != nullptr;
+  out->ir_is_device_data = out->has_ir && ir.node->op().op == DeviceDataOp();
+  if (const torch::lazy::BackendDataPtr& handle = data->handle) {
+    out->has_handle = true;
+    out->buffer_use_count = static_cast<long>(handle.use_count());
+    ReadBuffer(*handle, out);
+    out->expected_holders = 1 + (out->ir_is_device_data ? 1 : 0) + (out->has_value ? 0 : 1);
+    return true;
+  }
+  // No handle and no IR: host data, or (functionalization off) one of
+  // torch_xla's own views, whose value these headers cannot see.
+  if (!out->has_ir) return false;
+  out->pending = !out->ir_is_device_data;
+  if (out->ir_is_device_data) {
+    // The buffer a device_data node holds (a copy made since the last step
+    // reads its source's node).
+    torch::lazy::BackendDataPtr buffer =
+        torch::lazy::getBackend()->GetComputationDataFromNode(ir.node.get());
+    if (buffer) {
+      out->buffer_use_count = static_cast<long>(buffer.use_count()) - 1;
+      ReadBuffer(*buffer, out);
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+bool LearnXlaTensorType(uintptr_t address, std::string* why) {
+  try {
+    bool functional = false;
+    c10::TensorImpl* impl = Unwrapped(reinterpret_cast<c10::TensorImpl*>(address), &functional);
+    if (impl == nullptr) {
+      *why = "the sample tensor's functional wrapper is not up to date";
+      return false;
+    }
+    const std::string name = Demangled(typeid(*impl).name());
+    if (name != kXlaTensorImplName) {
+      *why = "the sample tensor is a " + name + ", not a " + kXlaTensorImplName;
+      return false;
+    }
+    g_xla_impl_vtable.store(VtableOf(impl), std::memory_order_release);
+    return true;
+  } catch (const std::exception& e) {
+    *why = std::string("learning the XLA tensor type raised: ") + e.what();
+    return false;
+  }
+}
+
+bool ReadLazyFacts(uintptr_t address, LazyFacts* out) {
+  *out = LazyFacts();
+  try {
+    if (Read(reinterpret_cast<c10::TensorImpl*>(address), out)) return true;
+  } catch (...) {
+  }
+  *out = LazyFacts();
+  return false;
+}
+
+void SetLazyReadsEnabled(bool on) { g_enabled.store(on, std::memory_order_release); }
+
+bool LazyReadsEnabled() { return g_enabled.load(std::memory_order_acquire); }
+
+}  // namespace torch_xla_donate
