@@ -222,10 +222,10 @@ assert reads.path() {before}
 assert not torch_xla._XLAC._xla_runtime_is_initialized(), "import started the runtime"
 {setup}
 x = torch.arange(4.0).to(torch_xla.device()) + 1
-step = _C.current_step()
+step, marks = _C.current_step(), _C.marked_count()
 assert reads.tensor_id(x) == torch_xla._XLAC._xla_get_tensor_id(x)
 assert torch_xla._XLAC._check_tensor_need_materialization([x]) == [True], "the self-test synced x"
-assert _C.current_step() == step and _C.marked_count() == 0
+assert _C.current_step() == step and _C.marked_count() == marks, "the self-test committed marks"
 assert reads.is_pending(x) and _C.lazy_enabled() == (reads.path() == "native reads")
 print("PATH:", reads.path())
 print("SUMMARY:", [l for l in str(tdx.summary()).splitlines() if "tensor reads" in l][0])
@@ -238,8 +238,19 @@ def _first_read(setup="", env=None, before='== "not decided yet"'):
     return dict(line.split(": ", 1) for line in out.splitlines() if ": " in line)
 
 
-def test_the_first_read_decides_and_leaves_nothing_behind():
-    out = _first_read()
+_USER_MARK = """
+import torch_xla.core.xla_model as xm
+m = torch.ones(3).to(torch_xla.device()) + 0
+torch_xla.sync(); xm.wait_device_ops()
+tdx.donate_buffer(m)
+"""
+
+
+@pytest.mark.parametrize("setup, env", [("", {}), (_USER_MARK, {}),
+                                        ("", {"XLA_ENABLE_PARAM_ALIASING": "0"})],
+                         ids=["plain", "a donation marked", "aliasing off"])
+def test_the_first_read_decides_and_leaves_nothing_behind(setup, env):
+    out = _first_read(setup=setup, env=env)
     assert out["PATH"] == "native reads"
     assert out["SUMMARY"].endswith("tensor reads: native reads")
     assert out["METRICS"] == "native reads"
