@@ -103,3 +103,23 @@ def pytest_pyfunc_call(pyfuncitem):
             pytrace=False,
         )
     return True
+
+
+# -- The two reader paths (_base/reads.py) -------------------------------------
+
+
+@pytest.fixture(params=["native", "xlac"], ids=["native reads", "_XLAC reads"])
+def reads_path(request, dev, monkeypatch):
+    """Runs a test once with native reads and once with the ``_XLAC`` twin
+    (as ``TORCH_XLA_DONATE_NATIVE_READS=0`` or a failed self-test leaves
+    them).  Yields the path's name."""
+    import torch
+
+    from torch_xla_donate._base import reads
+
+    reads.tensor_id(torch.ones(2, device=dev) + 0)  # the first read decides the path
+    if request.param == "xlac":
+        monkeypatch.setattr(reads, "_why_off", "forced by a test")
+    elif reads.path() != "native reads":
+        pytest.fail(f"native reads are off in this process: {reads.path()}")
+    yield request.param

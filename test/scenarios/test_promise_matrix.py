@@ -8,6 +8,10 @@ Promises (one test function each):
   their values (the latter with ``UnusedDonationWarning``);
 * a refusal is a typed ``ValueError`` naming the holder (a view), and a
   module parameter sharing the donated storage goes down with it, named;
+* a buffer another tensor holds is never donated (dropped, named, both
+  values kept): a clone read before its first step, a tensor torch_xla's
+  ``_replace_xla_tensor`` made share one XLA tensor, a copy only an autograd
+  graph holds;
 * a step's report settles: nothing left in flight, every donation counted
   once;
 * values equal those of the same loop without donation, bit for bit.
@@ -257,6 +261,73 @@ def test_refusals_name_the_holder_and_parameters_go_down_named(context, dev):
     with pytest.raises(tdx.DonatedBufferError, match="parameter 'weight' of Linear"):
         model(x)
     assert new.shape == (N, N)
+
+
+# Holders of a donor's buffer that are not its views (c10 sees those): each
+# makes (donor, check) from a fresh state tensor ``p``; ``check()`` asserts
+# the other holder kept its value after the step.
+
+
+def _clone_read(p, donate_clone):
+    """A clone read before its first step keeps its source's buffer for good."""
+    value = p.cpu()
+    c = p.clone()
+    c.cpu()  # executes nothing: the clone's buffer is p's
+    donor, other = (c, p) if donate_clone else (p, c)
+    return donor, lambda: torch.equal(other.cpu(), value)
+
+
+def _replaced(p, donate_source):
+    """``_replace_xla_tensor(t, s)`` (torch_xla's FSDP) makes t hold s's XLA tensor."""
+    s = p * 3
+    torch_xla.sync()
+    value = s.cpu()
+    t = torch.zeros_like(p)
+    torch_xla.sync()
+    torch_xla._XLAC._replace_xla_tensor(t, s)
+    donor, other = (s, t) if donate_source else (t, s)
+    return donor, lambda: torch.equal(other.cpu(), value)
+
+
+def _held_by_autograd(p, _):
+    """A copy of p (it shares p's buffer) that only an autograd graph holds."""
+    u = p.to(p.device, copy=True)
+    torch_xla.sync()
+    w = _tensor(torch.ones(N, N), p.device).requires_grad_()
+    with torch.enable_grad():
+        loss = (u @ w).sum()
+    del u
+    expected = p.cpu().sum(0, keepdim=True).t().expand(N, N)
+
+    def check():
+        loss.backward()  # reads the copy's buffer
+        torch.testing.assert_close(w.grad.cpu(), expected)
+        return True
+    return p, check
+
+
+HOLDERS = {
+    "clone read, source donated": lambda p: _clone_read(p, False),
+    "clone read, clone donated": lambda p: _clone_read(p, True),
+    "_replace_xla_tensor, target donated": lambda p: _replaced(p, False),
+    "_replace_xla_tensor, source donated": lambda p: _replaced(p, True),
+    "copy held by autograd": lambda p: _held_by_autograd(p, None),
+}
+
+
+@pytest.mark.parametrize("holder", list(HOLDERS))
+def test_a_buffer_another_tensor_holds_is_never_donated(context, dev, holder):
+    p, g, x = _state(dev)
+    donor, other_kept = HOLDERS[holder](p)
+    value = donor.cpu()
+    with pytest.warns(tdx.DroppedDonationWarning, match=r"f32\[64,64\].*(also held|shares)"):
+        new = context.step(_update, (donor, g, x))
+        tdx.settle()
+    assert not tdx.is_deleted(donor) and torch.equal(donor.cpu(), value)
+    assert other_kept()
+    assert tdx.last_step_report().dropped >= 1
+    plain = context.step(_update, (donor, g, x), donate=False)
+    assert torch.equal(new.cpu(), plain.cpu())
 
 
 def test_reports_settle(context, dev):

@@ -59,6 +59,7 @@ _local = threading.local()
 # On a thread inside a compiled call:
 #   arming: the tensors whose flags an extraction arms (its donation pattern)
 #   static: the tensors graph ops donated during this extraction
+#   withheld: TensorImpls of graph-op donors the commit refused (not armed)
 #   armed:  what is armed right now (between the bridge's hash and warm-up)
 
 
@@ -72,7 +73,8 @@ class _CompiledGraph:
         self._pristine = copy.deepcopy(model)  # extraction rewrites its model
         self._model = model
         self._extract = extract
-        self._variants = {}  # frozenset of argument indices -> compiled callable
+        # (argument indices armed, graph-op donors withheld) -> compiled callable
+        self._variants = {}
         self._static = None  # argument indices the graph's own ops donate
 
     def __call__(self, *args):
@@ -85,7 +87,10 @@ class _CompiledGraph:
         step, donors = self._commit(args, candidates, notices)
         donated = {id(t) for t, _ in donors}
         pattern = frozenset(i for i, a in enumerate(args) if id(a) in donated) - self._static
-        fn = self._variants.get(pattern) or self._variant(pattern, args)
+        # The graph's own donations the commit refused (a buffer another
+        # tensor holds): extracted without them, as eager would run.
+        withheld = frozenset(i for i in self._static if id(args[i]) not in donated)
+        fn = self._variants.get((pattern, withheld)) or self._variant(pattern, args, withheld)
         try:
             with _arming([args[i] for i in pattern]):
                 result = fn(*args)
@@ -123,25 +128,27 @@ class _CompiledGraph:
             except Exception as error:  # the plugin's own check, not the call
                 return step, commit.undecided(tensors, records, error, notices)
 
-    def _variant(self, pattern, args):
+    def _variant(self, pattern, args, withheld=frozenset()):
         """Extracts the graph with the flags of ``pattern``'s arguments armed
-        (and those its own ops donate); returns the compiled callable."""
+        (and those its own ops donate, but for the arguments ``withheld``);
+        returns the compiled callable."""
         model = self._model if not self._variants else copy.deepcopy(self._pristine)
         self._model = None
         _local.static = []
+        _local.withheld = {poison.inner(args[i])._cdata for i in withheld}
         try:
             with _arming([args[i] for i in pattern]), _capturing_graph_ops():
                 fn = self._extract(model, args)
             static = _local.static
         finally:
-            _local.static = None
+            _local.static = _local.withheld = None
         if self._static is None:
             # A graph op sees the tensor torch_xla computes with (the one a
             # functional argument wraps): match arguments by TensorImpl.
             impls = {t._cdata for t in static}
             self._static = frozenset(i for i, a in enumerate(args) if xla.is_xla_tensor(a)
                                      and poison.inner(a)._cdata in impls)
-        self._variants[pattern - self._static] = fn
+        self._variants[(pattern - self._static, withheld)] = fn
         return fn
 
 
@@ -175,7 +182,9 @@ def _hash_before(*args, **kwargs):
     if arming is None or getattr(_local, "armed", None) is not None:
         return C.PASS
     lock.acquire()
-    tensors = list(arming) + list(getattr(_local, "static", None) or ())
+    withheld = getattr(_local, "withheld", None) or ()
+    tensors = list(arming) + [t for t in getattr(_local, "static", None) or ()
+                              if t._cdata not in withheld]
     _local.armed = [t for t in tensors if xla.set_donor(t, True)]
     return None
 

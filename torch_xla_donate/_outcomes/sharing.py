@@ -1,36 +1,46 @@
-"""Device buffers torch_xla shares between distinct tensors.
+"""Device buffers other tensors hold: a donation never destroys a tensor
+that was not donated.
 
 The problem
 -----------
-torch_xla backs some copies with their source's device buffer, and a
-barrier does not give them one of their own: after
-``target.load_state_dict(policy.state_dict())``, ``c = t.to(dev, copy=True)``,
-``torch.tensor(t)``, ``x[...] = t`` or ``torch.empty_like(t).copy_(t)`` and a
-step, both tensors hold one buffer (one ``_get_tensors_handle``), yet they
-are distinct tensors with distinct storages, invisible to c10's use counts
-(``.clone()``, ``t + 0`` get their own buffer).  Donating either destroys
-the other.  The plugin never destroys what was not donated: a donor whose
-buffer another live tensor holds is dropped at the commit (value kept,
-``DroppedDonationWarning`` naming the other tensor and the fix).
+torch_xla backs some tensors with another tensor's device buffer, and c10's
+use counts (views, ``detach``) do not see it:
 
-What is seen, at what cost
---------------------------
-* *The source of a copy* (the common case: the policy network donated in a
-  functional update while a target network copied from it is alive).  When
-  the copy took the buffer at a barrier, torch_xla filed the buffer under
-  the copy's tensor id.  One vectorized query per commit
-  (``xla.owner_suspects``) finds donors whose buffer is filed under another
-  tensor; only for those the live tensors are looked at (a walk of the
-  garbage collector's objects), to tell a live copy from a dead one.
-  Always on.
-* Under SPMD nothing is looked at: torch_xla crashes when asked about a
-  sharded buffer still being computed.
-* *The copy itself, or a copy made from a marked tensor since the last
-  barrier*: nothing in the donor says so.  ``configure(check_sharing=True)``
-  (or ``TORCH_XLA_DONATE_CHECK_SHARING=1``) compares every donor's handle
-  with those of all live tensors at every commit that donates: exact for
-  the tensors Python can reach, at the cost of that walk per step
-  (``benchmarks/bench_sharing.py``).
+* a ``.clone()`` read before its first step (``print(c)``, ``c.cpu()``)
+  keeps its source's buffer for good;
+* copies made by ``load_state_dict``, ``copy_``, ``t.to(dev, copy=True)``,
+  ``torch.tensor(t)``, ``x[...] = t`` share their source's buffer, also
+  after a barrier;
+* ``torch_xla._XLAC._replace_xla_tensor(p, s)`` (torch_xla's FSDP) makes two
+  Python tensors hold one XLA tensor;
+* and such a copy may be held by nobody Python can reach: an autograd graph
+  that saved it for backward.
+
+Donating either side would destroy the other.
+
+Read from the buffer
+--------------------
+With native reads (``_base/reads.py``) every committed donor's buffer is
+asked how many hold it (its ``shared_ptr`` use count) against what a clean
+tensor has, and how many own its XLA tensor: one native call for the step,
+exact whoever the holder is, Python or C++.  Donors of one step may share a
+buffer with each other.  An excess can be a moment's: autograd's worker
+thread releasing a graph, or the previous execution, still dispatching,
+holding its inputs; so an excess is read again after waiting for both, and
+only a holder still there drops the donation (value kept, a
+``DroppedDonationWarning`` naming the holder where Python can reach it, or
+saying that C++ holds it).
+
+Without native reads (``TORCH_XLA_DONATE_NATIVE_READS=0``, a self-test that
+disagreed, a tensor the reader declines) the buffer's holders are searched
+for in Python (``_screen_by_search``): the source of a copy torch_xla files
+under the copy is found by one owner query and a walk of the live tensors;
+``configure(check_sharing=True)`` compares every donor's handle with those
+of all live tensors.  A holder only C++ keeps is not seen on that path.
+
+Not seen on either path: a copy made *in the same step* before the barrier
+(its IR is the source's device data node; no buffer count changes):
+``configure(check_sharing=True)`` compares handles then.
 
 >>> import torch_xla_donate as tdx
 >>> tdx.configure(check_sharing=True)["check_sharing"]
@@ -40,7 +50,7 @@ True
 """
 import torch
 
-from .._base import config, xla
+from .._base import config, reads, xla
 from .._base.dtypes import shape_string
 from . import ownership, poison
 
@@ -52,9 +62,19 @@ _dead_owners = set()
 
 _WHY = (
     "it shares its device buffer with {names}: torch_xla backs copies made by "
-    "load_state_dict, copy_, t.to(device, copy=True), torch.tensor(t) or x[...] = t with "
-    "their source's buffer, and donating it would destroy that tensor too. Make such "
-    "copies with .clone() (a step gives a clone its own buffer)"
+    "load_state_dict, copy_, t.to(device, copy=True), torch.tensor(t) or x[...] = t, and "
+    "a .clone() read before its first step, with their source's buffer, and donating it "
+    "would destroy that tensor too. Make such copies with .clone() and run a step "
+    "(torch_xla.sync()) before reading them: the step gives a clone its own buffer"
+)
+
+
+_CPP_HOLDERS = (
+    "its device buffer is also held where Python cannot reach it ({n} more reference(s) "
+    "than its own: an autograd graph that saved a copy of it, made by t.to(device, "
+    "copy=True), load_state_dict, copy_ or torch.tensor(t), or other C++ code), and "
+    "donating it would destroy that copy too. Let the graph go (backward() or del loss) "
+    "before the step that donates it"
 )
 
 
@@ -62,6 +82,81 @@ def screen(donors, notices) -> list:
     """The committed donors that hold their buffer alone, or share it only
     with other donors of the same step; the others are dropped (value kept,
     a warning held in ``notices``).  ``donors`` are (tensor, record) entries.
+
+    Read from each buffer's holders where native reads answer for every
+    donor; else searched for in Python (``_screen_by_search``).
+    """
+    if not donors:
+        return donors
+    tensors = [t for t, _ in donors]
+    counts = reads.holders(tensors)
+    if any(c is None for c in counts):
+        return _screen_by_search(donors, notices)
+    if config.check_sharing():
+        # Also a copy made in this step, which no count shows.
+        donors = _screen_by_search(donors, notices)
+        if not donors:
+            return donors
+        tensors = [t for t, _ in donors]
+        counts = reads.holders(tensors)
+    over = _excess(tensors, counts)
+    if over:
+        # A moment's holders: autograd's worker thread, or the previous
+        # execution still dispatching with the buffer as its input.
+        ownership.settle_autograd(tensors[0].device)
+        xla.wait_device_ops()
+        over = _excess(tensors, reads.holders(tensors))
+    if not over:
+        return donors
+    dropped = {}
+    named = {} if xla.spmd() else _named_sharers([i for i, _ in over], tensors)
+    for i, extra in over:
+        names = named.get(i)
+        why = _WHY.format(names=names) if names else _CPP_HOLDERS.format(n=extra)
+        dropped.setdefault(why, []).append(donors[i])
+    for why, entries in dropped.items():
+        ownership.drop(entries, why, notices)
+    gone = {id(e) for entries in dropped.values() for e in entries}
+    return [e for e in donors if id(e) not in gone]
+
+
+def _excess(tensors, counts) -> list:
+    """``[(index, extra holders)]`` of the donors whose buffer, or XLA
+    tensor, has holders beyond the donors of this step that share it."""
+    if all(c.actual <= c.expected and c.xla_tensor_refs <= 1 for c in counts):
+        return []
+    groups = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(reads.buffer_key(t) or -i - 1, []).append(i)
+    over = []
+    for members in groups.values():
+        allowed = sum(counts[i].expected for i in members)
+        actual = counts[members[0]].actual
+        refs = max(counts[i].xla_tensor_refs for i in members)
+        extra = max(actual - allowed, refs - len(members))
+        if extra > 0:
+            over += [(i, extra) for i in members]
+    return over
+
+
+def _named_sharers(indices, tensors) -> dict:
+    """Names of the live tensors Python can reach that hold the buffer of
+    each donor at ``indices`` (index -> names; absent: none found)."""
+    out = {}
+    with ownership.scanning():
+        shared = live_sharers([tensors[i] for i in indices], tensors)
+        for i, sharers in zip(indices, shared):
+            if sharers:
+                names = ", ".join(_name(o) for o in sharers[:3])
+                if len(sharers) > 3:
+                    names += f" and {len(sharers) - 3} more"
+                out[i] = names
+    return out
+
+
+def _screen_by_search(donors, notices) -> list:
+    """``screen`` without buffer counts: holders searched for in Python.
+
 
     Without ``check_sharing`` only donors torch_xla files under another
     tensor id are looked at; one whose other holder turns out to be dead is
