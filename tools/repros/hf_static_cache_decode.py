@@ -42,7 +42,7 @@ Measured on 2026-11-26 (transformers 4.57.1, torch_xla 2.9.0, XLA:CPU,
 2 CPUs), peak growth (XLA's largest temporary), lazy:
 
     sdpa, eager (+ donate or not)   +82 MiB (80.3 MiB), cache in its first buffers
-    einsum (+ donate or not)        +2 MiB (0.5 MiB), logits within 1.3e-6, 2-3x faster
+    einsum (+ donate or not)        +2 MiB (0.5 MiB), logits within 1.3e-6, 2-5x faster
     2 kv heads (32 MiB cache)       eager 32.3 MiB of temporaries, einsum 0.5 MiB
 
 and compiled: +97 to +187 MiB without donation (a new cache each step, 32.3
