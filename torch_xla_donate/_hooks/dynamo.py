@@ -42,7 +42,7 @@ import contextlib
 import copy
 import threading
 
-from .._base import xla, xla_cpu
+from .._base import config, switches, xla, xla_cpu
 from .._base.dtypes import xla_dtype_name
 from .._base.lock import lock
 from .._base.messages import Notices
@@ -59,6 +59,7 @@ _local = threading.local()
 # On a thread inside a compiled call:
 #   arming: the tensors whose flags an extraction arms (its donation pattern)
 #   static: the tensors graph ops donated during this extraction
+#   static_on: whether this extraction arms them (not while switched off)
 #   armed:  what is armed right now (between the bridge's hash and warm-up)
 
 
@@ -77,15 +78,20 @@ class _CompiledGraph:
 
     def __call__(self, *args):
         poison.refuse_consumed(args)
-        candidates = [i for i, a in enumerate(args) if xla.is_xla_tensor(a)
+        on = config.enabled() and xla.aliasing_enabled()
+        # Switched off: marks made before wait for the step barrier, which
+        # drops them (commit.decide); the graph's own ops donate nothing.
+        candidates = [i for i, a in enumerate(args) if on and xla.is_xla_tensor(a)
                       and C.is_marked(a) and not a.requires_grad]
         if self._static is None:  # the first call: learn the graph's own donors
-            self._variant(frozenset(candidates), args)
+            self._variant(frozenset(candidates), args, on)
+        if self._static and not on:
+            switches.warn_if_off()
         notices = Notices()
-        step, donors = self._commit(args, candidates, notices)
+        step, donors = self._commit(args, candidates, notices, on)
         donated = {id(t) for t, _ in donors}
         pattern = frozenset(i for i, a in enumerate(args) if id(a) in donated) - self._static
-        fn = self._variants.get(pattern) or self._variant(pattern, args)
+        fn = self._variants.get((pattern, on)) or self._variant(pattern, args, on)
         try:
             with _arming([args[i] for i in pattern]):
                 result = fn(*args)
@@ -100,11 +106,11 @@ class _CompiledGraph:
         notices.deliver()
         return result
 
-    def _commit(self, args, candidates, notices):
+    def _commit(self, args, candidates, notices, on):
         """Commits the marks of the call's arguments (and the graph's own
-        donations): (step, donor entries).  Never raises from the plugin's
-        own checks (see commit.barrier_before)."""
-        static = [args[i] for i in self._static if xla.is_xla_tensor(args[i])]
+        donations, if ``on``): (step, donor entries).  Never raises from the
+        plugin's own checks (see commit.barrier_before)."""
+        static = [args[i] for i in self._static if on and xla.is_xla_tensor(args[i])]
         with lock:
             if static:
                 xla_cpu.warn_if_unprotected()
@@ -123,12 +129,13 @@ class _CompiledGraph:
             except Exception as error:  # the plugin's own check, not the call
                 return step, commit.undecided(tensors, records, error, notices)
 
-    def _variant(self, pattern, args):
+    def _variant(self, pattern, args, on):
         """Extracts the graph with the flags of ``pattern``'s arguments armed
-        (and those its own ops donate); returns the compiled callable."""
+        (and, if ``on``, those its own ops donate); returns the compiled
+        callable."""
         model = self._model if not self._variants else copy.deepcopy(self._pristine)
         self._model = None
-        _local.static = []
+        _local.static, _local.static_on = [], on
         try:
             with _arming([args[i] for i in pattern]), _capturing_graph_ops():
                 fn = self._extract(model, args)
@@ -141,7 +148,7 @@ class _CompiledGraph:
             impls = {t._cdata for t in static}
             self._static = frozenset(i for i, a in enumerate(args) if xla.is_xla_tensor(a)
                                      and poison.inner(a)._cdata in impls)
-        self._variants[pattern - self._static] = fn
+        self._variants[(pattern - self._static, on)] = fn
         return fn
 
 
@@ -175,7 +182,8 @@ def _hash_before(*args, **kwargs):
     if arming is None or getattr(_local, "armed", None) is not None:
         return C.PASS
     lock.acquire()
-    tensors = list(arming) + list(getattr(_local, "static", None) or ())
+    static = getattr(_local, "static", None) if getattr(_local, "static_on", True) else None
+    tensors = list(arming) + list(static or ())
     _local.armed = [t for t in tensors if xla.set_donor(t, True)]
     return None
 
