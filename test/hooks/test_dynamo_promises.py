@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch._dynamo
 import torch_xla
-from helpers import materialize
+from helpers import buffer_ptr, materialize
 
 import torch_xla_donate as tdx
 import torch_xla_donate._base.switches
@@ -121,22 +121,57 @@ def test_an_optimizers_state_is_donated_inside_a_compiled_function(dev, kind, fu
     model, opt = _model_and_optimizer(dev, kind)
     key = _MOMENT[kind]
 
-    def decay(donate):
-        if donate:
-            tdx.donate(opt)
+    def decay():
+        tdx.donate(opt)
         for state in opt.state.values():
             state[key] = state[key] * 0.5
 
-    old = [s[key] for s in opt.state.values()]
-    expected = [(t * 0.5).cpu() for t in old]
-    torch.compile(decay, backend="openxla", fullgraph=fullgraph)(True)
-    torch_xla.sync()
-    tdx.settle()
-    assert all(tdx.is_deleted(t) for t in old)
-    for state, e in zip(opt.state.values(), expected):
-        assert torch.equal(state[key].cpu(), e)
+    compiled = torch.compile(decay, backend="openxla", fullgraph=fullgraph)
+    torch._dynamo.utils.counters.clear()
+    for _ in range(3):  # new state tensors each step: no recompile
+        old = [s[key] for s in opt.state.values()]
+        expected = [(t * 0.5).cpu() for t in old]
+        compiled()
+        torch_xla.sync()
+        tdx.settle()
+        assert all(tdx.is_deleted(t) for t in old)
+        for state, e in zip(opt.state.values(), expected):
+            assert torch.equal(state[key].cpu(), e)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     if kind == "adam":  # the CPU step counters are left alone
         assert all(s["step"].item() == 1 for s in opt.state.values())
+
+
+def _adam_run(dev, donate):
+    """Three compiled Adam steps; the state's buffers kept by each step and
+    the final values."""
+    model, opt = _model_and_optimizer(dev, "adam")
+    step = torch.compile(opt.step, backend="openxla")
+    kept = []
+    for _ in range(3):
+        before = [buffer_ptr(s["exp_avg"]) for s in opt.state.values()]
+        if donate:
+            tdx.donate(opt)
+        step()
+        torch_xla.sync()
+        kept.append(before == [buffer_ptr(s["exp_avg"]) for s in opt.state.values()])
+    values = [t.detach().cpu() for t in model.parameters()] + [
+        s[k].cpu() for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq")]
+    return kept, values
+
+
+def test_an_optimizer_donated_before_its_compiled_step_reuses_the_state(dev):
+    """torch.optim breaks the graph before ``step()``: donated inside the
+    compiled function the state would reach no graph that reads it (README,
+    Limits); donated before the compiled call, the step's graph takes it and
+    updates it in its own buffers, with the values of the same steps without
+    donation (which allocate new ones)."""
+    kept_plain, plain = _adam_run(dev, donate=False)
+    torch._dynamo.reset()
+    kept, donated = _adam_run(dev, donate=True)
+    assert kept == [True] * 3 and kept_plain == [False] * 3
+    for a, b in zip(plain, donated):
+        torch.testing.assert_close(a, b)
 
 
 # -- switched off -----------------------------------------------------------------
