@@ -3,13 +3,14 @@ refuses (a view, an intermediate, a 0-dim tensor) is refused while dynamo
 traces, with eager's ``ValueError``; an optimizer's state is donated as in
 eager; switched off, a compiled graph donates nothing and warns."""
 
+import os
 import warnings
 
 import pytest
 import torch
 import torch._dynamo
 import torch_xla
-from helpers import buffer_ptr, materialize
+from helpers import buffer_ptr, materialize, run_python
 
 import torch_xla_donate as tdx
 import torch_xla_donate._base.switches
@@ -224,3 +225,38 @@ def test_switched_off_a_compiled_function_donates_nothing(dev, monkeypatch, how,
     step(y)
     torch_xla.sync()
     assert tdx.is_deleted(y)
+
+
+def test_param_aliasing_off_a_compiled_function_donates_nothing():
+    """torch_xla's own switch, in a fresh interpreter (it is read from the
+    environment): as ``enabled=False``."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = run_python(
+        """
+        import warnings
+        import torch, torch_xla
+        import torch_xla_donate as tdx
+        print("from", tdx.__file__)
+        dev = torch_xla.device()
+
+        @torch.compile(backend="openxla", fullgraph=True)
+        def step(x):
+            tdx.donate(x)
+            return x * 2
+
+        x = torch.ones(64, device=dev)
+        torch_xla.sync()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = step(x)
+            torch_xla.sync()
+            tdx.settle()
+        kinds = [type(w.message).__name__ for w in caught]
+        print("warnings", kinds.count("DonationDisabledWarning"), len(kinds))
+        print("values", x.sum().item(), out.sum().item(), "deleted", tdx.is_deleted(x))
+        """,
+        env={"XLA_ENABLE_PARAM_ALIASING": "0", "PYTHONPATH": root},  # this checkout's package
+    )
+    assert f"from {root}" in proc.stdout
+    assert "warnings 1 1" in proc.stdout, proc.stdout
+    assert "values 64.0 128.0 deleted False" in proc.stdout, proc.stdout

@@ -31,7 +31,11 @@ arguments are donated):
   nothing (executions.py);
 * an argument whose gradient autograd will need (``requires_grad``) is not
   donated by a compiled forward graph: its mark waits for the next step
-  barrier, after backward.
+  barrier, after backward;
+* switched off (``configure(enabled=False)``, ``XLA_ENABLE_PARAM_ALIASING=0``),
+  a call donates nothing, not even its graph's own ops (an executable
+  without them is extracted), and warns ``DonationDisabledWarning`` once:
+  the switch is read at each call, not baked in when dynamo traced.
 
 A graph break splits a compiled function into several graphs.  A marked
 tensor is donated by the first graph that takes it; a later graph reading it
@@ -141,7 +145,7 @@ class _CompiledGraph:
                 fn = self._extract(model, args)
             static = _local.static
         finally:
-            _local.static = None
+            _local.static, _local.static_on = None, True
         if self._static is None:
             # A graph op sees the tensor torch_xla computes with (the one a
             # functional argument wraps): match arguments by TensorImpl.
