@@ -25,8 +25,7 @@ from helpers import buffer_ptr, materialize
 
 import torch_xla_donate as tdx
 from torch_xla_donate import _C
-from torch_xla_donate._base import config
-from torch_xla_donate._marking import marks as api
+from torch_xla_donate._base import config, switches
 
 
 @pytest.fixture
@@ -39,7 +38,7 @@ def strict():
 @pytest.fixture
 def disabled():
     previous = tdx.configure(enabled=False)
-    api._disabled_warned.clear()  # the once-per-process warning, for this test
+    switches._disabled_warned.clear()  # the once-per-process warning, for this test
     yield
     tdx.configure(**previous)
 

@@ -225,7 +225,7 @@ def test_an_input_that_needs_its_gradient_is_left_for_the_step_barrier(dev):
 def test_a_failing_compiled_call_keeps_its_donations(dev, monkeypatch):
     from torch_xla_donate._hooks import dynamo
 
-    def failing_variant(graph, pattern, args, withheld=frozenset()):
+    def failing_variant(graph, pattern, args, on, withheld=frozenset()):
         graph._static = frozenset()
         return _failing
 

@@ -9,7 +9,7 @@ import torch_xla
 from helpers import materialize
 
 import torch_xla_donate as tdx
-import torch_xla_donate._marking.marks
+import torch_xla_donate._base.switches
 import torch_xla_donate._marking.trees
 from torch_xla_donate import _C
 from torch_xla_donate._outcomes import unused
@@ -120,7 +120,7 @@ def test_opaque_root_is_a_type_error_and_scalars_are_skipped(dev):
 
 def test_switched_off_donates_nothing_and_warns_at_the_callers_line(dev, monkeypatch):
     # The warning is given once per process: forget earlier tests' warnings.
-    monkeypatch.setattr(torch_xla_donate._marking.marks, "_disabled_warned", set())
+    monkeypatch.setattr(torch_xla_donate._base.switches, "_disabled_warned", set())
     t = torch.ones(4, device=dev)
     materialize(t)
     previous = tdx.configure(enabled=False)

@@ -31,7 +31,11 @@ arguments are donated):
   nothing (executions.py);
 * an argument whose gradient autograd will need (``requires_grad``) is not
   donated by a compiled forward graph: its mark waits for the next step
-  barrier, after backward.
+  barrier, after backward;
+* switched off (``configure(enabled=False)``, ``XLA_ENABLE_PARAM_ALIASING=0``),
+  a call donates nothing, not even its graph's own ops (an executable
+  without them is extracted), and warns ``DonationDisabledWarning`` once:
+  the switch is read at each call, not baked in when dynamo traced.
 
 A graph break splits a compiled function into several graphs.  A marked
 tensor is donated by the first graph that takes it; a later graph reading it
@@ -42,7 +46,7 @@ import contextlib
 import copy
 import threading
 
-from .._base import xla, xla_cpu
+from .._base import config, switches, xla, xla_cpu
 from .._base.dtypes import xla_dtype_name
 from .._base.lock import lock
 from .._base.messages import Notices
@@ -60,6 +64,7 @@ _local = threading.local()
 #   arming: the tensors whose flags an extraction arms (its donation pattern)
 #   static: the tensors graph ops donated during this extraction
 #   withheld: TensorImpls of graph-op donors the commit refused (not armed)
+#   static_on: whether this extraction arms graph-op donors (not while switched off)
 #   armed:  what is armed right now (between the bridge's hash and warm-up)
 
 
@@ -73,24 +78,30 @@ class _CompiledGraph:
         self._pristine = copy.deepcopy(model)  # extraction rewrites its model
         self._model = model
         self._extract = extract
-        # (argument indices armed, graph-op donors withheld) -> compiled callable
+        # (argument indices armed, graph-op donors withheld, on) -> compiled callable
         self._variants = {}
         self._static = None  # argument indices the graph's own ops donate
 
     def __call__(self, *args):
         poison.refuse_consumed(args)
-        candidates = [i for i, a in enumerate(args) if xla.is_xla_tensor(a)
+        on = config.enabled() and xla.aliasing_enabled()
+        # Switched off: marks made before wait for the step barrier, which
+        # drops them (commit.decide); the graph's own ops donate nothing.
+        candidates = [i for i, a in enumerate(args) if on and xla.is_xla_tensor(a)
                       and C.is_marked(a) and not a.requires_grad]
         if self._static is None:  # the first call: learn the graph's own donors
-            self._variant(frozenset(candidates), args)
+            self._variant(frozenset(candidates), args, on)
+        if self._static and not on:
+            switches.warn_if_off()
         notices = Notices()
-        step, donors = self._commit(args, candidates, notices)
+        step, donors = self._commit(args, candidates, notices, on)
         donated = {id(t) for t, _ in donors}
         pattern = frozenset(i for i, a in enumerate(args) if id(a) in donated) - self._static
         # The graph's own donations the commit refused (a buffer another
         # tensor holds): extracted without them, as eager would run.
         withheld = frozenset(i for i in self._static if id(args[i]) not in donated)
-        fn = self._variants.get((pattern, withheld)) or self._variant(pattern, args, withheld)
+        fn = (self._variants.get((pattern, withheld, on))
+              or self._variant(pattern, args, on, withheld))
         try:
             with _arming([args[i] for i in pattern]):
                 result = fn(*args)
@@ -105,11 +116,11 @@ class _CompiledGraph:
         notices.deliver()
         return result
 
-    def _commit(self, args, candidates, notices):
+    def _commit(self, args, candidates, notices, on):
         """Commits the marks of the call's arguments (and the graph's own
-        donations): (step, donor entries).  Never raises from the plugin's
-        own checks (see commit.barrier_before)."""
-        static = [args[i] for i in self._static if xla.is_xla_tensor(args[i])]
+        donations, if ``on``): (step, donor entries).  Never raises from the
+        plugin's own checks (see commit.barrier_before)."""
+        static = [args[i] for i in self._static if on and xla.is_xla_tensor(args[i])]
         with lock:
             if static:
                 xla_cpu.warn_if_unprotected()
@@ -128,27 +139,27 @@ class _CompiledGraph:
             except Exception as error:  # the plugin's own check, not the call
                 return step, commit.undecided(tensors, records, error, notices)
 
-    def _variant(self, pattern, args, withheld=frozenset()):
+    def _variant(self, pattern, args, on, withheld=frozenset()):
         """Extracts the graph with the flags of ``pattern``'s arguments armed
-        (and those its own ops donate, but for the arguments ``withheld``);
-        returns the compiled callable."""
+        (and, if ``on``, those its own ops donate, but for the arguments
+        ``withheld``); returns the compiled callable."""
         model = self._model if not self._variants else copy.deepcopy(self._pristine)
         self._model = None
-        _local.static = []
+        _local.static, _local.static_on = [], on
         _local.withheld = {poison.inner(args[i])._cdata for i in withheld}
         try:
             with _arming([args[i] for i in pattern]), _capturing_graph_ops():
                 fn = self._extract(model, args)
             static = _local.static
         finally:
-            _local.static = _local.withheld = None
+            _local.static, _local.static_on, _local.withheld = None, True, None
         if self._static is None:
             # A graph op sees the tensor torch_xla computes with (the one a
             # functional argument wraps): match arguments by TensorImpl.
             impls = {t._cdata for t in static}
             self._static = frozenset(i for i, a in enumerate(args) if xla.is_xla_tensor(a)
                                      and poison.inner(a)._cdata in impls)
-        self._variants[(pattern - self._static, withheld)] = fn
+        self._variants[(pattern - self._static, withheld, on)] = fn
         return fn
 
 
@@ -183,8 +194,8 @@ def _hash_before(*args, **kwargs):
         return C.PASS
     lock.acquire()
     withheld = getattr(_local, "withheld", None) or ()
-    tensors = list(arming) + [t for t in getattr(_local, "static", None) or ()
-                              if t._cdata not in withheld]
+    static = getattr(_local, "static", None) if getattr(_local, "static_on", True) else None
+    tensors = list(arming) + [t for t in static or () if t._cdata not in withheld]
     _local.armed = [t for t in tensors if xla.set_donor(t, True)]
     return None
 

@@ -30,7 +30,8 @@ from .._base.dtypes import shape_string
 from .._base.native import C
 from .._outcomes import ownership, poison
 
-__all__ = ["check_donatable", "check_tensor", "describe", "wraps_others", "SCALARS"]
+__all__ = ["check_donatable", "check_tensor", "describe", "wraps_others", "SCALARS",
+           "not_on_xla", "a_view", "pending", "zero_dim"]
 
 # Why scalars are never donated.  Helpers that donate whole trees for the
 # user (``donate``, ``donating``) skip them quietly, as they skip numbers.
@@ -64,24 +65,9 @@ def check_donatable(tensor) -> None:
         "no XLA buffer of its own to donate. Donate the XLA tensors it wraps instead.",
     )
     poison.check_poisonable(tensor)  # a subclass that cannot take its twin class
-    torch._check_value(
-        xla.is_xla(tensor),
-        lambda: f"donate_buffer expects a tensor on an XLA device, got one on "
-        f"'{tensor.device}'. Move it first: t = t.to(torch_xla.device()).",
-    )
-    torch._check_value(
-        not tensor._is_view(),
-        lambda: f"donate_buffer: {describe(tensor)} is a view (t[...], reshape, "
-        "transpose, t.as_subclass(...), ...) of another tensor's buffer; only plain "
-        "device data can be donated. Donate its base tensor, or materialize a copy "
-        "first: t = t.clone(); xm.mark_step().",
-    )
-    torch._check_value(
-        not xla.has_pending_ir([tensor])[0],
-        lambda: f"donate_buffer: {describe(tensor)} has pending computation, so it "
-        "has no buffer yet. Call xm.mark_step() (or torch_xla.sync()) first to "
-        "materialize it, then donate it.",
-    )
+    torch._check_value(xla.is_xla(tensor), lambda: not_on_xla(tensor))
+    torch._check_value(not tensor._is_view(), lambda: a_view(tensor))
+    torch._check_value(not xla.has_pending_ir([tensor])[0], lambda: pending(tensor))
     torch._check_value(
         ownership.owns_its_buffer(tensor),
         lambda: f"donate_buffer: {describe(tensor)} has no buffer of its own yet: it is "
@@ -102,6 +88,31 @@ def check_donatable(tensor) -> None:
             not blockers,
             lambda: f"donate_buffer: cannot donate {describe(tensor)}: " + "; ".join(blockers) + ".",
         )
+
+
+# The refusals the compiled path can also make while dynamo traces
+# (graph_ops.py): there ``tensor`` is the FakeTensor dynamo computes with.
+
+def not_on_xla(tensor) -> str:
+    return (f"donate_buffer expects a tensor on an XLA device, got one on "
+            f"'{tensor.device}'. Move it first: t = t.to(torch_xla.device()).")
+
+
+def a_view(tensor) -> str:
+    return (f"donate_buffer: {describe(tensor)} is a view (t[...], reshape, "
+            "transpose, t.as_subclass(...), ...) of another tensor's buffer; only plain "
+            "device data can be donated. Donate its base tensor, or materialize a copy "
+            "first: t = t.clone(); xm.mark_step().")
+
+
+def pending(tensor) -> str:
+    return (f"donate_buffer: {describe(tensor)} has pending computation, so it "
+            "has no buffer yet. Call xm.mark_step() (or torch_xla.sync()) first to "
+            "materialize it, then donate it.")
+
+
+def zero_dim(tensor) -> str:
+    return f"donate_buffer: {describe(tensor)} is 0-dimensional. {SCALARS}"
 
 
 def wraps_others(t) -> bool:

@@ -121,7 +121,7 @@ def donating(fn: Callable | None = None, *, donate_argnums: int | Sequence[int] 
         if not selected:
             return fn(*args, **kwargs)
         if torch.compiler.is_compiling():  # dynamo traces this: graph ops
-            graph_ops.donate_trees_in_graph([tree for _, tree in selected])
+            graph_ops.donate_trees_in_graph(selected)
             return fn(*args, **kwargs)
         marked = _marks_of(selected, user_site())
         try:

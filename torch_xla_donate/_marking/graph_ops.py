@@ -6,36 +6,112 @@ own way to donate from a compiled graph) instead of calling into the plugin,
 so they cause no graph break; the compiled graph then donates those inputs
 on every call, and _hooks/dynamo.py marks, poisons and reports them.
 
+What eager refuses is refused here too, while dynamo traces, with eager's
+message: a view (``x[0]``), an intermediate (``x + 1``: eager calls it
+pending computation; in a graph it has no buffer before the call either) and,
+for ``donate_buffer``, a 0-dim tensor.  torch_xla's graph op would take such
+a tensor and donate nothing.  Only the graph's inputs can be donated.  The
+error is a ``ValueError`` that dynamo lets through (it is also dynamo's
+``TorchRuntimeError``, what an op failing on fake tensors raises), with or
+without ``fullgraph``; nothing is compiled and nothing is marked.
+
 The tricky case: nothing here may look at a tensor's identity.  Dynamo
 guards on what the traced code reads, and ``id(leaf)`` (a dict keyed by it,
 to skip tied weights) made it guard on each argument's object id: every
 call with new tensors, that is every training step, compiled a new graph.
 Marking a tensor twice is harmless (the op sets a flag), so leaves are not
-deduplicated.
+deduplicated.  The refusals are judged by ``comptime`` on what dynamo knows
+of the tensor (its FX node, its fake value), which adds no guard.
 """
 import torch
 import torch.utils._pytree as pytree
+from torch._dynamo.comptime import comptime
+from torch._dynamo.exc import TorchRuntimeError
 
-__all__ = ["donate_in_graph", "donate_trees_in_graph"]
+from . import checks
+
+__all__ = ["donate_in_graph", "donate_trees_in_graph", "RefusedWhileTracing"]
+
+
+class RefusedWhileTracing(TorchRuntimeError, ValueError):
+    """A tensor a compiled function donates cannot be donated: eager's
+    ``ValueError``, raised while dynamo traces (a ``TorchRuntimeError`` so
+    that dynamo passes it on unchanged)."""
 
 
 def donate_in_graph(tensors) -> None:
-    """One ``dynamo_set_buffer_donor_`` node per tensor, no call into the plugin."""
+    """``donate_buffer`` of each of ``tensors`` while dynamo traces it: one
+    ``dynamo_set_buffer_donor_`` node per tensor, no call into the plugin; a
+    tensor that is no input of the graph is refused first."""
     for t in tensors:
+        _refuse_unless_input(t, None)
         torch.ops.xla.dynamo_set_buffer_donor_(t, True)
 
 
-def donate_trees_in_graph(trees) -> int:
-    """``donate`` of ``trees`` while dynamo traces it: one graph op per tensor
-    leaf (a module stands for its parameters and buffers; 0-dim leaves are
-    skipped).  Returns the number of leaves (a tensor reached twice counts
-    twice here)."""
-    tensors = []
-    for tree in trees:
-        for leaf in pytree.tree_leaves(tree):
-            if isinstance(leaf, torch.nn.Module):
-                tensors += list(leaf.parameters()) + list(leaf.buffers())
-            elif isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-                tensors.append(leaf)
-    donate_in_graph(tensors)
+def donate_trees_in_graph(named_trees) -> int:
+    """``donate`` of the ``(label, tree)`` pairs while dynamo traces it: one
+    graph op per tensor leaf (a module stands for its parameters and
+    buffers, an optimizer for its state; 0-dim leaves are skipped, as
+    torch.optim's CPU step counters are in eager).  All or nothing: every
+    leaf is judged before any op is emitted, and a refusal names the leaf's
+    path as eager does.  Returns the number of leaves (a tensor reached
+    twice counts twice here)."""
+    named = [(path, t) for label, tree in named_trees for path, t in _named_leaves(label, tree)
+             if t.dim() > 0 or t.device.type == "xla"]
+    for path, t in named:
+        _refuse_unless_input(t, path)
+    tensors = [t for _, t in named if t.dim() > 0]
+    for t in tensors:
+        torch.ops.xla.dynamo_set_buffer_donor_(t, True)
     return len(tensors)
+
+
+def _named_leaves(label, tree) -> list:
+    """``(path, tensor)`` of ``tree``'s tensors, named as trees._walk names
+    them, without looking at identities (see the module docstring)."""
+    out = []
+    for key_path, leaf in pytree.tree_flatten_with_path(tree)[0]:
+        path = label + pytree.keystr(key_path)
+        if isinstance(leaf, torch.Tensor):
+            out.append((path, leaf))
+        elif isinstance(leaf, torch.nn.Module):
+            out += [(f"{path}.{name}", t) for name, t in leaf.named_parameters()]
+            out += [(f"{path}.{name}", t) for name, t in leaf.named_buffers()]
+        elif isinstance(leaf, torch.optim.Optimizer):
+            params = [p for group in leaf.param_groups for p in group["params"]]
+            for i, p in enumerate(params):
+                if p in leaf.state:
+                    out += _named_leaves(f"{path}.state[{i}]", leaf.state[p])
+    return out
+
+
+def _refuse_unless_input(t, path) -> None:
+    """Eager's error for ``t`` (``path``: its name in a tree, None for
+    ``donate_buffer``) unless it is an input of the graph and no view."""
+    comptime(_judge)  # runs while dynamo traces; nothing at run time
+
+
+def _judge(ctx) -> None:
+    """At trace time: judges the locals ``t`` and ``path`` of
+    ``_refuse_unless_input``."""
+    var = ctx.get_local("t")
+    if not var.is_proxy():
+        return  # not a tensor: the graph op itself says so
+    fake = var.as_fake()
+    if not isinstance(fake, torch.Tensor):
+        return
+    path = ctx.get_local("path").as_python_constant()
+    message = None
+    if fake.device.type != "xla":
+        message = checks.not_on_xla(fake)
+    elif fake.dim() == 0 and path is None:
+        message = checks.zero_dim(fake)
+    elif fake._is_view():
+        message = checks.a_view(fake)
+    elif var.as_proxy().node.op not in ("placeholder", "get_attr"):
+        message = checks.pending(fake)
+    if message is None:
+        return
+    if path is not None:  # as trees._checked says it
+        message = f"donate: cannot donate {path}, so no tensor of this call was marked. {message}"
+    raise RefusedWhileTracing(message)

@@ -17,14 +17,10 @@ that commits the mark (_hooks/commit.py).
 >>> mark_version(torch.ones(1))
 0
 """
-import warnings
-
-from .._base import config, fast_path, xla, xla_cpu
+from .._base import fast_path, switches, xla_cpu
 from .._base.dtypes import xla_dtype_name
-from .._base.errors import DonationDisabledWarning
 from .._base.lock import lock
 from .._base.native import C, Via
-from .._base.sites import user_stacklevel
 from .checks import check_donatable
 
 __all__ = ["mark", "mark_checked", "mark_version"]
@@ -43,19 +39,7 @@ def mark_checked(tensor, where, via=Via.DONATE_BUFFER) -> None:
     switches, then the mark.  ``C.try_mark`` is the same path in one call
     for the common case and leaves everything else to this function."""
     check_donatable(tensor)
-    if not config.enabled():
-        _warn_disabled_once(
-            "torch_xla_donate is switched off (TORCH_XLA_DONATE_DISABLE=1 or "
-            "configure(enabled=False)): donate_buffer() does nothing and no "
-            "tensor will be poisoned."
-        )
-        return
-    if not xla.aliasing_enabled():
-        _warn_disabled_once(
-            "XLA_ENABLE_PARAM_ALIASING=0 turns off buffer donation in torch_xla: "
-            "donate_buffer() does nothing and no tensor will be poisoned. Unset it "
-            "to save the memory."
-        )
+    if switches.warn_if_off():
         return
     if tensor.dim() == 0:
         return  # never donated, see checks.SCALARS; donate_buffer refused it already
@@ -78,13 +62,3 @@ def mark_version(tensor) -> int:
     except RuntimeError:
         return -1
 
-
-_disabled_warned = set()
-
-
-def _warn_disabled_once(message: str) -> None:
-    """Warns once per reason: a loop that donates every step should not
-    print the same line every step."""
-    if message not in _disabled_warned:
-        _disabled_warned.add(message)
-        warnings.warn(message, DonationDisabledWarning, stacklevel=user_stacklevel())

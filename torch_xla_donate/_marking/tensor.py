@@ -24,7 +24,7 @@ from .._base import xla
 from .._base.native import C
 from .._outcomes import poison
 from . import graph_ops
-from .checks import SCALARS, check_tensor, describe
+from .checks import check_tensor, zero_dim
 from .marks import mark_checked
 
 __all__ = ["donate_buffer", "is_donated", "is_deleted"]
@@ -53,7 +53,7 @@ def donate_buffer_checked(tensor) -> None:
     check_tensor("donate_buffer", tensor)
     torch._check_value(
         tensor.dim() > 0 or not xla.is_xla(tensor) or poison.is_poisoned(tensor),
-        lambda: f"donate_buffer: {describe(tensor)} is 0-dimensional. {SCALARS}",
+        lambda: zero_dim(tensor),
     )
     frame = sys._getframe(1)
     mark_checked(tensor, (frame.f_code.co_filename, frame.f_lineno))

@@ -95,7 +95,7 @@ def donate(tree: Any) -> int:
         the message names its path, e.g. ``tree['layer1'][0]``.
     """
     if torch.compiler.is_compiling():  # dynamo traces this: graph ops, no break
-        return graph_ops.donate_trees_in_graph([tree])
+        return graph_ops.donate_trees_in_graph([(_root_label(tree), tree)])
     return donate_named([(_root_label(tree), tree)], user_site(), Via.DONATE)
 
 
