@@ -321,3 +321,45 @@ def test_without_functionalization_reads_agree_or_fall_back():
     assert path == "native reads" or path.startswith("_XLAC (")
     if path == "native reads":
         assert "FUNCTIONAL: [False]" in out  # read bare XLATensorImpls, not wrappers
+
+
+# The process's first donation, made each way a user makes one: the reads are
+# decided outside any commit (marking decides; a commit never runs the
+# self-test), and that first step's donations are used.  (A self-test run
+# inside a commit once left that step's donations unused: seen in
+# test_xla_cpu.py's probe, whose first read came at the barrier.)
+_FIRST_DONATION = """
+import torch, torch_xla
+import torch_xla_donate as tdx
+from torch_xla_donate._base import reads
+dev = torch_xla.device()
+p = torch.ones(64, device=dev) * 2; q = torch.ones(64, device=dev) * 3
+g = torch.ones(64, device=dev)
+torch_xla.sync()
+assert not reads.decided()
+def update(p, q, g):
+    return p - 0.5 * g, q + g
+how = {how!r}
+if how == "donate_buffer":
+    tdx.donate_buffer(p); tdx.donate_buffer(q); new = update(p, q, g)
+elif how == "donate":
+    tdx.donate([p, q]); new = update(p, q, g)
+elif how == "donating":
+    new = tdx.donating(update, donate_argnums=(0, 1))(p, q, g)
+else:
+    new = torch.compile(tdx.donating(update, donate_argnums=(0, 1)), backend="openxla")(p, q, g)
+torch_xla.sync()
+tdx.settle()
+print("DELETED:", [tdx.is_deleted(p), tdx.is_deleted(q)])
+print("VALUE:", [new[0].cpu().tolist() == [1.5] * 64, new[1].cpu().tolist() == [4.0] * 64])
+reads.tensor_id(new[0])
+print("PATH:", reads.path())
+"""
+
+
+@pytest.mark.parametrize("how", ["donate_buffer", "donate", "donating", "compiled"])
+def test_the_first_donation_of_a_process_is_used(how):
+    out = run_python(_FIRST_DONATION.format(how=how)).stdout
+    got = dict(line.split(": ", 1) for line in out.splitlines() if ": " in line)
+    assert got["DELETED"] == "[True, True]" and got["VALUE"] == "[True, True]", out
+    assert got["PATH"] == "native reads"

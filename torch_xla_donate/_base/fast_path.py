@@ -2,15 +2,16 @@
 
 The fast path marks in one native call and says "no" to anything unusual;
 it must be closed whenever the Python path has something to say for every
-mark: donation switched off (a ``DonationDisabledWarning``), or an
+mark: donation switched off (a ``DonationDisabledWarning``), an
 unprotected CPU process whose first donation owes a ``StaleReadWarning``
-(xla_cpu.py).  ``refresh`` recomputes it; the config's listeners, every
+(xla_cpu.py), or native reads not decided yet (the first mark decides
+them, outside any commit: reads.py).  ``refresh`` recomputes it; the config's listeners, every
 barrier and the first warning call it.
 
 >>> refresh() is None
 True
 """
-from . import config, xla, xla_cpu
+from . import config, reads, xla, xla_cpu
 from .native import C
 
 __all__ = ["refresh"]
@@ -21,4 +22,4 @@ def refresh() -> None:
     (torch_xla reads ``XLA_ENABLE_PARAM_ALIASING`` when it first compiles,
     so a change before the first step still counts.)"""
     C.set_fast_path_enabled(config.enabled() and xla.aliasing_enabled()
-                            and not xla_cpu.warning_due())
+                            and not xla_cpu.warning_due() and reads.decided())

@@ -74,7 +74,8 @@ from torch.utils import _python_dispatch
 from . import reads_check, xla
 from .native import C
 
-__all__ = ["ENV", "LazyFacts", "Holders", "native", "xlac", "path", "tensor_id", "is_pending",
+__all__ = ["ENV", "LazyFacts", "Holders", "native", "xlac", "path", "decide_on", "decided",
+           "tensor_id", "is_pending",
            "is_consumed", "buffer_key", "owner_ids", "holders", "facts"]
 
 ENV = "TORCH_XLA_DONATE_NATIVE_READS"
@@ -216,14 +217,34 @@ def _decide(sample) -> None:
 
 def _selected(t):
     """The twin to ask about ``t``, deciding at the first read of a real
-    XLA tensor."""
+    XLA tensor.
+
+    The tricky case: a first read inside a commit (the plugin's lock held,
+    a step barrier half done).  The self-test runs graphs of its own, which
+    must never happen inside another execution's commit (measured: that
+    step's donations all went unused); so a commit asks ``_XLAC`` until a
+    read outside one has decided (marking decides: ``decide_on``)."""
     if not _decided:
         if isinstance(t, list):
             return _selected(t[0]) if t else xlac
-        if not _can_decide_on(t):
+        if not _can_decide_on(t) or C.lock_holders() > 0:
             return xlac
         _decide(t)
     return native if _why_off is None else xlac
+
+
+def decide_on(t) -> bool:
+    """Decides the reads with ``t`` if not done yet and ``t`` can serve
+    (see ``_selected``); True once decided.  Marking calls it before its
+    critical section, so the first commit finds the reads decided."""
+    if not _decided:
+        _selected(t)
+    return _decided
+
+
+def decided() -> bool:
+    """True once the first read has decided which twin answers."""
+    return _decided
 
 
 def _can_decide_on(t) -> bool:

@@ -17,7 +17,7 @@ that commits the mark (_hooks/commit.py).
 >>> mark_version(torch.ones(1))
 0
 """
-from .._base import fast_path, switches, xla_cpu
+from .._base import fast_path, reads, switches, xla_cpu
 from .._base.dtypes import xla_dtype_name
 from .._base.lock import lock
 from .._base.native import C, Via
@@ -45,6 +45,8 @@ def mark_checked(tensor, where, via=Via.DONATE_BUFFER) -> None:
         return  # never donated, see checks.SCALARS; donate_buffer refused it already
     if xla_cpu.warn_if_unprotected():
         fast_path.refresh()  # warned once: the fast path may open
+    if not reads.decided() and reads.decide_on(tensor):
+        fast_path.refresh()  # decided outside any commit: the fast path may open
     # A commit in another thread must see the mark whole or not at all.
     with lock:
         if C.is_marked(tensor):
