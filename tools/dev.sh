@@ -61,7 +61,8 @@ case "${1:-}" in
     setup
     shift
     bash tools/lint.sh "$PY"
-    PYTHON_BIN_PATH="$PWD/$PY" bash tools/bazel_build.sh
+    case "$PY" in /*) abs_py=$PY ;; *) abs_py=$PWD/$PY ;; esac  # TDX_VENV may be absolute
+    PYTHON_BIN_PATH="$abs_py" bash tools/bazel_build.sh
     bash tools/check_wheel.sh "$PY"
     exec "$PY" -m pytest test "$@"
     ;;

@@ -54,10 +54,17 @@ def test_scan_example_keeps_the_carry_in_one_buffer(scan_runs):
 
 def test_scan_example_donation_lowers_peak_memory(scan_runs):
     donated, plain = scan_runs
+    carry = _number(r"carry: f32\[\d+,\d+\] \((\d+) MiB\)", donated)
     growth = _number(r"growth over the loop \(donated\): (\d+) MiB", donated)
     plain_growth = _number(r"growth over the loop \(not donated\): (\d+) MiB", plain)
-    # Without donation the loop holds about two more 64 MiB carries at peak.
-    assert plain_growth - growth > 96, (growth, plain_growth)
+    # Measured on 2.7, 2.8 and 2.9 with a 64 MiB carry (the example resets
+    # the peak before the loop): 72-76 MiB donated, 200-204 MiB not.  The
+    # scan costs about a carry either way; without donation each step also
+    # writes a new carry beside the old one.  So donation must save more than
+    # a carry at the peak, which leaves the donated growth a fraction of the
+    # plain one's (and the plain one measurable).
+    assert plain_growth - growth > carry, (carry, growth, plain_growth)
+    assert growth < 0.5 * plain_growth, (carry, growth, plain_growth)
 
 
 @pytest.fixture(scope="module")
