@@ -105,7 +105,11 @@ def test_no_compile_once_warm(runs, mode):
     line = re.search(r"compiles: .*", out).group(0)
     # One prefill graph per prompt bucket, one decode graph, compiled by the
     # first step of each; nothing later, in the warm-up or while serving.
-    assert re.search(r"prefill (\d+) \((\d+) bucket", line).groups() == (str(len(BUCKETS)),) * 2, line
+    # The package's native-reads self-test compiles one small graph of its
+    # own at the process's first donation (README, Native reads): the first
+    # prefill's count may include it.
+    prefill, buckets = map(int, re.search(r"prefill (\d+) \((\d+) bucket", line).groups())
+    assert buckets == len(BUCKETS) and prefill - len(BUCKETS) in (0, 1), line
     assert "first decode step 1, later decode steps 0; serving 0" in line, line
     if mode.startswith("compiled"):
         # Dynamo traced each graph once: no re-trace that found its XLA

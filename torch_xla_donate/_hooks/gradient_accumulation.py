@@ -42,7 +42,7 @@ import torch
 from .._base.dtypes import shape_string
 from .._base.errors import ParameterDonationError
 from .._base.native import C
-from .._outcomes import poison
+from .._outcomes import poison, sharing
 
 __all__ = ["install", "uninstall", "installed"]
 
@@ -96,7 +96,9 @@ def _checking_model_state(original):
             model = arguments.get("model")
             if isinstance(model, torch.nn.Module):
                 _refuse_marked_model_state(model)
-        return original(*args, **kwargs)
+        result = original(*args, **kwargs)
+        sharing.note_graph_holds_inputs()  # the next commit's graph holds its inputs
+        return result
 
     wrapper.__torch_xla_donate_original__ = original
     return wrapper

@@ -54,7 +54,7 @@ from .._base import config, reads, xla
 from .._base.dtypes import shape_string
 from . import ownership, poison
 
-__all__ = ["screen", "live_sharers"]
+__all__ = ["screen", "live_sharers", "note_graph_holds_inputs"]
 
 # Owner ids whose tensor was looked for and not found alive: a buffer filed
 # under one of them is its holder's alone (tensor ids are never reused).
@@ -100,6 +100,7 @@ def screen(donors, notices) -> list:
         tensors = [t for t, _ in donors]
         counts = reads.holders(tensors)
     over = _excess(tensors, counts)
+    graph_holds_inputs = _graph_holds_inputs.pop()
     if over:
         # A moment's holders: autograd's worker thread, or the previous
         # execution still dispatching with the buffer as its input.
@@ -112,12 +113,40 @@ def screen(donors, notices) -> list:
     named = {} if xla.spmd() else _named_sharers([i for i, _ in over], tensors)
     for i, extra in over:
         names = named.get(i)
+        if not names and graph_holds_inputs and counts[i].xla_tensor_refs <= 1:
+            continue  # the step's own graph holds it (see note_graph_holds_inputs)
         why = _WHY.format(names=names) if names else _CPP_HOLDERS.format(n=extra)
         dropped.setdefault(why, []).append(donors[i])
     for why, entries in dropped.items():
         ownership.drop(entries, why, notices)
     gone = {id(e) for entries in dropped.values() for e in entries}
     return [e for e in donors if id(e) not in gone]
+
+
+class _Flag:
+    """A flag set by one call, read and cleared by the next commit."""
+
+    def __init__(self):
+        self._set = False
+
+    def set(self):
+        self._set = True
+
+    def pop(self) -> bool:
+        was, self._set = self._set, False
+        return was
+
+
+_graph_holds_inputs = _Flag()
+
+
+def note_graph_holds_inputs() -> None:
+    """torch_xla's ``gradient_accumulation`` built the pending step: its
+    while loop holds the buffers of the tensors it reads (captured ones
+    too) in the graph itself, one reference each that no tensor owns.  The
+    next commit does not count holders Python cannot reach against its
+    donors (a copy only an autograd graph holds is not seen in that step)."""
+    _graph_holds_inputs.set()
 
 
 def _excess(tensors, counts) -> list:
