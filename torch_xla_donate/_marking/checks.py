@@ -25,7 +25,7 @@ TypeError: donate_buffer expects a torch.Tensor, got list. For the tensors of a 
 """
 import torch
 
-from .._base import xla
+from .._base import reads, xla
 from .._base.dtypes import shape_string
 from .._base.native import C
 from .._outcomes import ownership, poison
@@ -77,7 +77,7 @@ def check_donatable(tensor) -> None:
         "first: t = t.clone(); xm.mark_step().",
     )
     torch._check_value(
-        not xla.has_pending_ir([tensor])[0],
+        not reads.is_pending(tensor),
         lambda: f"donate_buffer: {describe(tensor)} has pending computation, so it "
         "has no buffer yet. Call xm.mark_step() (or torch_xla.sync()) first to "
         "materialize it, then donate it.",
