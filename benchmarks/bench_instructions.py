@@ -20,13 +20,17 @@ step by ``torch._foreach_add(ts, 1.0)``, ``torch_xla.sync(wait=False)``,
 * ``donate_buffer``     ``torch_xla_donate.donate_buffer(t)`` per tensor;
 * ``raw, held`` and ``donate_buffer, held``: the loop still holds the old
                         tensors at the barrier (``old = ts`` ... ``del old``
-                        after it), so the plugin must poison every donor.
+                        after it), so the plugin must poison every donor;
+* ``..., _XLAC reads``  a plugin mode run with
+                        ``TORCH_XLA_DONATE_NATIVE_READS=0``: every question
+                        about a tensor goes through ``torch_xla._XLAC``
+                        instead of the native reader (_base/reads.py).
 
 Each mode runs in its own process under callgrind, instrumented only around
 the measured steps (a client request from a tiny helper compiled with the
 system's C compiler).  Needs ``valgrind`` (with its headers) and ``cc``.
 
-    python benchmarks/bench_instructions.py [--tensors 200] [--steps 5]
+    python benchmarks/bench_instructions.py [--tensors 200] [--steps 5] [--modes raw ...]
 """
 import argparse
 import os
@@ -39,7 +43,9 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 
-MODES = ["raw", "floor", "donate_buffer", "raw, held", "donate_buffer, held"]
+MODES = ["raw", "floor", "donate_buffer", "raw, held", "donate_buffer, held",
+         "donate_buffer, _XLAC reads", "donate_buffer, held, _XLAC reads"]
+XLAC_READS = ", _XLAC reads"  # the suffix: the same mode, native reads off
 WARMUP = 3
 
 _HELPER = r"""
@@ -68,6 +74,7 @@ def child(mode: str, n: int, steps: int, helper: str) -> None:
     xm.wait_device_ops()
     if not mode.startswith("donate_buffer"):
         step_hook.uninstall()
+    mode = mode.removesuffix(XLAC_READS)  # the environment switched the reads
     held = mode.endswith("held") or mode == "floor"
 
     def step():
@@ -126,7 +133,9 @@ def measure(mode: str, n: int, steps: int, helper: str, tmp: str) -> int:
     cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}",
            "-q", sys.executable, os.path.abspath(__file__), "--child", mode, "--tensors", str(n),
            "--steps", str(steps), "--helper", helper]
-    done = subprocess.run(cmd, env=C.child_env(), capture_output=True, text=True, timeout=3600)
+    extra = {"TORCH_XLA_DONATE_NATIVE_READS": "0"} if mode.endswith(XLAC_READS) else None
+    done = subprocess.run(cmd, env=C.child_env(extra), capture_output=True, text=True,
+                          timeout=3600)
     if done.returncode != 0:
         raise RuntimeError(f"{mode}: exit {done.returncode}\n{done.stderr[-3000:]}")
     return _count(out)
@@ -138,27 +147,33 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--child")
     p.add_argument("--helper")
+    p.add_argument("--modes", nargs="+", choices=MODES, default=MODES, metavar="MODE",
+                   help=f"the modes to count (default: all of {MODES})")
     args = p.parse_args()
     if args.child:
         return child(args.child, args.tensors, args.steps, args.helper)
     if shutil.which("valgrind") is None:
         sys.exit("bench_instructions: needs valgrind (apt-get install valgrind)")
-    n, steps = args.tensors, args.steps
+    n, steps, modes = args.tensors, args.steps, [m for m in MODES if m in args.modes]
     with tempfile.TemporaryDirectory() as tmp:
         helper = _helper(tmp)
         counts = {}
-        for mode in MODES:
+        for mode in modes:
             counts[mode] = measure(mode, n, steps, helper, tmp)
             print(f"{mode:22s} {counts[mode] / (n * steps):9.0f} instructions per tensor per step",
                   flush=True)
-    per = {m: counts[m] / (n * steps) for m in MODES}
-    rows = [
-        ["floor over raw", f"{per['floor'] - per['raw']:.0f}"],
-        ["**donate_buffer over the floor**", f"**{per['donate_buffer'] - per['floor']:.0f}**"],
-        ["donate_buffer over raw", f"{per['donate_buffer'] - per['raw']:.0f}"],
-        ["donate_buffer, held, over raw, held",
-         f"{per['donate_buffer, held'] - per['raw, held']:.0f}"],
+    per = {m: counts[m] / (n * steps) for m in modes}
+    differences = [
+        ("floor over raw", "floor", "raw"),
+        ("**donate_buffer over the floor**", "donate_buffer", "floor"),
+        ("donate_buffer over raw", "donate_buffer", "raw"),
+        ("donate_buffer, held, over raw, held", "donate_buffer, held", "raw, held"),
+        ("donate_buffer, _XLAC reads, over raw", "donate_buffer, _XLAC reads", "raw"),
+        ("donate_buffer, held, _XLAC reads, over raw, held",
+         "donate_buffer, held, _XLAC reads", "raw, held"),
     ]
+    rows = [[name, f"**{per[a] - per[b]:.0f}**" if name.startswith("**") else
+             f"{per[a] - per[b]:.0f}"] for name, a, b in differences if a in per and b in per]
     m = C.machine()
     md = "\n".join([
         "## Host instructions per donated tensor per step (callgrind)",
@@ -169,12 +184,14 @@ def main() -> None:
         "process; one process per mode.",
         "",
         C.table(["mode", "instructions per tensor per step"],
-                [[mode, f"{per[mode]:.0f}"] for mode in MODES]),
+                [[mode, f"{per[mode]:.0f}"] for mode in modes]),
         "",
         C.table(["difference", "instructions per tensor per step"], rows),
     ])
     print()
     print(md)
+    if modes != MODES:
+        return  # a partial run: results/ keeps the last full one
     C.save("instructions", {"machine": m, "tensors": n, "steps": steps, "per_tensor_step": per},
            md)
 

@@ -112,14 +112,21 @@ def pytest_pyfunc_call(pyfuncitem):
 def reads_path(request, dev, monkeypatch):
     """Runs a test once with native reads and once with the ``_XLAC`` twin
     (as ``TORCH_XLA_DONATE_NATIVE_READS=0`` or a failed self-test leaves
-    them).  Yields the path's name."""
+    them), in Python (``reads``) and in C++ (the hot path tests
+    ``LazyReadsEnabled``) alike.  Yields the path's name."""
     import torch
 
     from torch_xla_donate._base import reads
+    from torch_xla_donate._base.native import C
 
     reads.tensor_id(torch.ones(2, device=dev) + 0)  # the first read decides the path
+    was = C.lazy_enabled()
     if request.param == "xlac":
         monkeypatch.setattr(reads, "_why_off", "forced by a test")
+        C.lazy_set_enabled(False)
     elif reads.path() != "native reads":
         pytest.fail(f"native reads are off in this process: {reads.path()}")
-    yield request.param
+    try:
+        yield request.param
+    finally:
+        C.lazy_set_enabled(was)

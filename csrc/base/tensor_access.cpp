@@ -136,22 +136,83 @@ int HeldByAutograd(PyObject* t, const TensorFacts& facts) {
 
 int IsView(PyObject* t) { return Truth(PyObject_CallMethodNoArgs(t, N().is_view)); }
 
+bool ReadLazy(PyObject* t, LazyFacts* facts) {
+  if (!LazyReadsEnabled()) return false;
+  const uintptr_t impl = ImplAddress(t);
+  return impl != 0 && ReadLazyFacts(impl, facts);
+}
+
+namespace {
+
+// The bound need_materialization's answers for `list`, appended to `out`.
+bool AskPending(PyObject* list, std::vector<char>* out) {
+  PyObject* flags = PyObject_CallOneArg(g_hooks.need_materialization, list);
+  if (!flags) return false;
+  PyObject* seq = PySequence_Fast(flags, "need_materialization must return a sequence");
+  Py_DECREF(flags);
+  if (!seq) return false;
+  bool ok = PySequence_Fast_GET_SIZE(seq) == PyList_GET_SIZE(list);
+  if (!ok) PyErr_SetString(PyExc_ValueError, "need_materialization: a list of another length");
+  for (Py_ssize_t i = 0, n = PySequence_Fast_GET_SIZE(seq); ok && i < n; ++i) {
+    const int r = PyObject_IsTrue(PySequence_Fast_GET_ITEM(seq, i));
+    ok = r >= 0;
+    out->push_back(r > 0 ? 1 : 0);
+  }
+  Py_DECREF(seq);
+  return ok;
+}
+
+}  // namespace
+
 int HasPendingIr(PyObject* t) {
+  LazyFacts facts;
+  if (ReadLazy(t, &facts)) return facts.pending ? 1 : 0;
   PyObject* list = PyList_New(1);
   if (!list) return -1;
   Py_INCREF(t);
   PyList_SET_ITEM(list, 0, t);
-  PyObject* flags = PyObject_CallOneArg(g_hooks.need_materialization, list);
+  std::vector<char> flags;
+  const bool ok = AskPending(list, &flags);
   Py_DECREF(list);
-  if (!flags) return -1;
-  PyObject* first = PySequence_GetItem(flags, 0);
-  Py_DECREF(flags);
-  return Truth(first);
+  return ok ? flags[0] : -1;
 }
 
-int BufferDeleted(PyObject* t) { return Truth(PyObject_CallOneArg(g_hooks.buffer_deleted, t)); }
+bool PendingFlags(PyObject* list, std::vector<char>* out) {
+  const Py_ssize_t n = PyList_GET_SIZE(list);
+  out->assign(n, 0);
+  std::vector<Py_ssize_t> asked;  // where the reads declined
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    LazyFacts facts;
+    if (ReadLazy(PyList_GET_ITEM(list, i), &facts))
+      (*out)[i] = facts.pending ? 1 : 0;
+    else
+      asked.push_back(i);
+  }
+  if (asked.empty()) return true;
+  PyObject* probe = PyList_New(static_cast<Py_ssize_t>(asked.size()));
+  if (!probe) return false;
+  for (size_t k = 0; k < asked.size(); ++k) {
+    PyObject* t = PyList_GET_ITEM(list, asked[k]);
+    Py_INCREF(t);
+    PyList_SET_ITEM(probe, static_cast<Py_ssize_t>(k), t);
+  }
+  std::vector<char> flags;
+  const bool ok = AskPending(probe, &flags);
+  Py_DECREF(probe);
+  if (!ok) return false;
+  for (size_t k = 0; k < asked.size(); ++k) (*out)[asked[k]] = flags[k];
+  return true;
+}
+
+int BufferDeleted(PyObject* t) {
+  LazyFacts facts;
+  if (ReadLazy(t, &facts)) return facts.consumed() ? 1 : 0;
+  return Truth(PyObject_CallOneArg(g_hooks.buffer_deleted, t));
+}
 
 int64_t TensorId(PyObject* t) {
+  LazyFacts facts;
+  if (ReadLazy(t, &facts)) return facts.tensor_id;
   PyObject* id = PyObject_CallOneArg(g_hooks.tensor_id, t);
   if (!id) return -1;
   int64_t value = PyLong_AsLongLong(id);

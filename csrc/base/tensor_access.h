@@ -8,6 +8,14 @@
 // in one place.  What C++ saves is the interpreter work around those calls:
 // with thousands of donated tensors per step, a Python loop costs more than
 // the torch_xla calls it makes.
+//
+// The three questions the hot path asks per tensor (its id, pending IR, a
+// consumed buffer) are read in place instead (lazy/lazy_reads.h, about 260
+// instructions for every fact against 1.6-3.8k per `_XLAC` call) once the
+// self-test of _base/reads.py let native reads on; a read that declines (a
+// CPU tensor, a functional wrapper awaiting a sync, ...) or native reads
+// off (TORCH_XLA_DONATE_NATIVE_READS=0, a failed self-test) ask the bound
+// callable, which gives the same answer.
 #pragma once
 
 #include <Python.h>
@@ -18,6 +26,7 @@
 
 #include "base/ledger.h"
 #include "base/tensor_facts.h"
+#include "lazy/lazy_reads.h"
 
 namespace torch_xla_donate {
 
@@ -71,13 +80,28 @@ long StorageUseCount(PyObject* t, int read, const TensorFacts& facts);
 // autograd graph that saved it for backward.  1 held, 0 not, -1 error.
 int HeldByAutograd(PyObject* t, const TensorFacts& facts);
 
-// torch_xla, through the bound callables.  1 / 0, -1 on error.
-int IsView(PyObject* t);
+// torch_xla's facts of `t` read in place, when native reads are on and the
+// read does not decline (lazy_reads.h).  False: ask the bound callables.
+// Never fails.
+bool ReadLazy(PyObject* t, LazyFacts* facts);
+
+// torch_xla, read in place (ReadLazy) or through the bound callables.
+// 1 / 0, -1 on error.
+int IsView(PyObject* t);  // torch's `t._is_view()`, not torch_xla's
+// `_check_tensor_need_materialization`: no handle, and an IR value that is
+// no device data.  False for a consumed tensor and for a CPU tensor.
 int HasPendingIr(PyObject* t);
+// `_is_placecholder`: a handle without a value.  True for a consumed buffer
+// and for an output still being computed; false for a tensor without a
+// handle (pending IR, not yet uploaded).  Raises for a CPU tensor.
 int BufferDeleted(PyObject* t);
 int SetDonor(PyObject* t, bool donate);
 // torch_xla's id of the XLA tensor behind `t` (ids only grow); -1 on error.
 int64_t TensorId(PyObject* t);
+// HasPendingIr of each tensor of `list` (a Python list), into `out`: read
+// in place where possible, the rest in one call of the bound callable.
+// False with a Python error on error.
+bool PendingFlags(PyObject* list, std::vector<char>* out);
 
 // Shape, XLA dtype name and byte size of `t` (whose `facts` were read with
 // sizes); the shape is moved out of `facts.sizes`.  1 ok, 0 unusual

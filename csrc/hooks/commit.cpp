@@ -3,6 +3,8 @@
 
 #include <pybind11/pybind11.h>
 
+#include <vector>
+
 #include "base/ledger.h"
 #include "base/py_types.h"
 #include "base/tensor_access.h"
@@ -70,6 +72,23 @@ py::tuple SplitCommitted(py::list tensors, py::list records, py::object pending)
     AppendEntry(uses > 1 || by_autograd ? held : donors, t, rec);
   }
   return py::make_tuple(donors, held);
+}
+
+// pending_flags(tensors) -> [bool]: pending computation, per tensor (as
+// torch_xla's _check_tensor_need_materialization), read in place where
+// native reads answer, the rest in one call of torch_xla's (_base/reads.py
+// pending_flags is its selector).
+py::list PendingFlagsOf(py::list tensors) {
+  RequireBound();
+  std::vector<char> flags;
+  Check(PendingFlags(tensors.ptr(), &flags));
+  py::list out(flags.size());
+  for (size_t i = 0; i < flags.size(); ++i) {
+    PyObject* b = flags[i] ? Py_True : Py_False;
+    Py_INCREF(b);
+    PyList_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i), b);
+  }
+  return out;
 }
 
 // Sets torch_xla's donor flag on the buffer each donor holds now.  Returns
@@ -165,6 +184,7 @@ void RegisterCommit(PyObject* module) {
   py::module_ m = py::reinterpret_borrow<py::module_>(module);
   m.def("split_committed", &SplitCommitted, py::arg("tensors"), py::arg("records"),
         py::arg("pending"));
+  m.def("pending_flags", &PendingFlagsOf, py::arg("tensors"));
   m.def("arm", &Arm, py::arg("donors"));
   m.def("disarm", &Disarm, py::arg("entries"));
   m.def("disarm_and_poison", &DisarmAndPoison, py::arg("donors"));

@@ -170,6 +170,21 @@ void RegisterLazyReads(PyObject* module) {
         return LearnXlaTensorType(impl, &why) ? std::string() : why;
       },
       py::arg("tensor"), "Learns XLATensorImpl's type from a known XLA tensor: '' or why not.");
+  m.def(
+      "hot_path_reads",
+      [](py::handle t) {
+        const int64_t id = TensorId(t.ptr());
+        Check(!(id == -1 && PyErr_Occurred()));
+        const int pending = HasPendingIr(t.ptr());
+        Check(pending >= 0);
+        const int deleted = BufferDeleted(t.ptr());
+        Check(deleted >= 0);
+        return py::make_tuple(id, pending == 1, deleted == 1);
+      },
+      py::arg("tensor"),
+      "(tensor id, pending, consumed): what the hot path (csrc/base/tensor_access.h TensorId, "
+      "HasPendingIr, BufferDeleted) answers, read in place while native reads are on, else "
+      "through the bound _XLAC callables (tests keep the two in step).");
   m.def("lazy_set_enabled", &SetLazyReadsEnabled, py::arg("on"));
   m.def("lazy_enabled", &LazyReadsEnabled);
   m.def(

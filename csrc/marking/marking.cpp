@@ -78,6 +78,10 @@ struct Candidate {
   int64_t nbytes = 0;
   int64_t version = -1;
   bool is_functional = false;
+  // torch_xla's facts, read in place once (ReadLazy); else the bound
+  // callables are asked.
+  bool lazy_read = false;
+  LazyFacts lazy;
 };
 
 // The checks (plain XLA tensor, no view, no alias, not held by autograd,
@@ -89,7 +93,8 @@ bool Prepare(PyObject* t, Candidate* c) {
     PyErr_Clear();
     return false;
   }
-  const int64_t id = TensorId(t);
+  c->lazy_read = ReadLazy(t, &c->lazy);
+  const int64_t id = c->lazy_read ? c->lazy.tensor_id : TensorId(t);
   if (id < 0 || id > g_settled_ids) {  // new since the last barrier: look closer
     PyErr_Clear();
     return false;
@@ -110,7 +115,10 @@ bool MustAskPending(const Candidate& c) {
 }
 
 // Pending computation?  1 / 0, -1 on error.
-int Pending(const Candidate& c) { return MustAskPending(c) ? HasPendingIr(c.tensor) : 0; }
+int Pending(const Candidate& c) {
+  if (!MustAskPending(c)) return 0;
+  return c.lazy_read ? (c.lazy.pending ? 1 : 0) : HasPendingIr(c.tensor);
+}
 
 Via ViaArg(PyObject* const* args, Py_ssize_t nargs, Py_ssize_t i) {
   if (nargs <= i) return Via::kDonateBuffer;
@@ -199,10 +207,12 @@ PyObject* IsDonatable(PyObject*, PyObject* t) {
   if (!g_hooks.torch_bound()) Py_RETURN_FALSE;
   TensorFacts facts;
   if (CommonChecks(t, &facts) != 1) return FalseClearingErrors();
-  const int64_t id = TensorId(t);
+  LazyFacts lazy;
+  const bool read = ReadLazy(t, &lazy);
+  const int64_t id = read ? lazy.tensor_id : TensorId(t);
   if (id < 0 || id > g_settled_ids) return FalseClearingErrors();    // look closer
   if (facts.symbolic_sizes || facts.sizes.empty()) Py_RETURN_FALSE;  // 0-dim: api refuses it
-  if (HasPendingIr(t) != 0) return FalseClearingErrors();
+  if (read ? lazy.pending : (HasPendingIr(t) != 0)) return FalseClearingErrors();
   Py_RETURN_TRUE;
 }
 
@@ -229,7 +239,9 @@ PyObject* TryMarkAll(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   std::vector<Candidate> todo;
   long already = 0;
   PyObject* list = args[0];
-  py::list probe;  // everything checked for pending IR, in one torch_xla call
+  // Pending IR: read with the facts where they were read, the rest asked
+  // in one torch_xla call (see Pending()).
+  py::list probe;
   for (Py_ssize_t i = 0, n = PyList_GET_SIZE(list); i < n; ++i) {
     PyObject* t = PyList_GET_ITEM(list, i);
     if (GlobalLedger().IsMarked(py::handle(t))) {
@@ -238,26 +250,20 @@ PyObject* TryMarkAll(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     }
     Candidate c;
     if (!Prepare(t, &c)) return PyLong_FromLong(-1);
-    if (MustAskPending(c)) probe.append(py::handle(t));  // see Pending()
+    if (MustAskPending(c)) {
+      if (c.lazy_read && c.lazy.pending) return PyLong_FromLong(-1);
+      if (!c.lazy_read) probe.append(py::handle(t));
+    }
     if (!c.shape.empty()) todo.push_back(std::move(c));  // a scalar is skipped
   }
   if (probe.size() > 0) {
-    PyObject* flags = PyObject_CallOneArg(g_hooks.need_materialization, probe.ptr());
-    if (!flags) {
+    std::vector<char> pending;
+    if (!PendingFlags(probe.ptr(), &pending)) {
       PyErr_Clear();
       return PyLong_FromLong(-1);
     }
-    int any = 0;
-    for (Py_ssize_t i = 0, n = PySequence_Size(flags); i < n && any == 0; ++i) {
-      PyObject* f = PySequence_GetItem(flags, i);
-      any = f ? PyObject_IsTrue(f) : -1;
-      Py_XDECREF(f);
-    }
-    Py_DECREF(flags);
-    if (any != 0) {
-      PyErr_Clear();
-      return PyLong_FromLong(-1);
-    }
+    for (char p : pending)
+      if (p) return PyLong_FromLong(-1);
   }
   const Via via = ViaArg(args, nargs, 2);
   long marked = already + static_cast<long>(todo.size());

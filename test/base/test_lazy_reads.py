@@ -363,3 +363,19 @@ def test_the_first_donation_of_a_process_is_used(how):
     got = dict(line.split(": ", 1) for line in out.splitlines() if ": " in line)
     assert got["DELETED"] == "[True, True]" and got["VALUE"] == "[True, True]", out
     assert got["PATH"] == "native reads"
+
+
+# -- The hot path (csrc/base/tensor_access.h) ----------------------------------------
+
+
+@pytest.mark.parametrize("state", sorted(STATES) + ["stale view"])
+def test_the_hot_paths_answers_are_torch_xlas_on_both_paths(reads_path, state, dev):
+    """TensorId, HasPendingIr and BufferDeleted, which marking, the commit
+    and the verdicts ask per tensor, read in place with native reads on and
+    ask the bound ``_XLAC`` callables with them off: the same answers."""
+    t = _stale_view(dev) if state == "stale view" else STATES[state](dev)[0]
+    assert _C.lazy_enabled() == (reads_path == "native")
+    got = _C.hot_path_reads(t)
+    assert _C.pending_flags([t, torch.ones(2), t]) == [got[1], False, got[1]]
+    assert got == (X._xla_get_tensor_id(t), X._check_tensor_need_materialization([t])[0],
+                   X._is_placecholder(t))

@@ -6,7 +6,9 @@ everything and word the errors.  Each tensor kind below is marked twice, on
 twin tensors, with the fast path open and closed: the outcome (marked, or
 the same exception with the same message) and the ledger record (shape,
 dtype, bytes, call, line, version) must be the same, and the native check
-may accept only what the Python checks accept.
+may accept only what the Python checks accept.  Both with native reads of
+torch_xla's answers (csrc/lazy/lazy_reads.h) and through ``_XLAC``
+(``reads_path``).
 """
 import re
 import warnings
@@ -160,7 +162,7 @@ def _outcome(mark):
 
 
 @pytest.mark.parametrize("kind", list(KINDS) + list(LATE_KINDS))
-def test_the_fast_path_and_the_python_path_decide_alike(dev, kind, fast_path_closed):
+def test_the_fast_path_and_the_python_path_decide_alike(dev, kind, fast_path_closed, reads_path):
     fast_accepts = KINDS[kind][1] if kind in KINDS else False
     fast_t, slow_t, keep = _twins(kind, dev)
 
@@ -189,7 +191,7 @@ def test_the_fast_path_and_the_python_path_decide_alike(dev, kind, fast_path_clo
 
 
 @pytest.mark.parametrize("kind", [k for k, (_, fast) in KINDS.items() if fast])
-def test_a_tree_is_marked_alike_both_ways(dev, kind, fast_path_closed):
+def test_a_tree_is_marked_alike_both_ways(dev, kind, fast_path_closed, reads_path):
     """``donate(tree)``'s all-or-nothing native call against the path by path."""
     make = KINDS[kind][0]
     fast_ts = [make(dev)[0] for _ in range(3)]

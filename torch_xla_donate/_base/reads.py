@@ -37,6 +37,9 @@ selected one):
 
 * ``tensor_id(t)``: torch_xla's id of the XLA tensor behind ``t``;
 * ``is_pending(t)``: needs a computation before it has a value;
+* ``pending_flags(ts)``: ``is_pending`` of each tensor, as a list (one
+  ``_XLAC`` call for the list; natively, ``_XLAC`` asked only about the
+  tensors the read declines);
 * ``is_consumed(t)``: its buffer was donated (meaningful without pending IR);
 * ``buffer_key(t)``: equal for two tensors exactly when they share one live
   buffer; 0 with no live buffer (pending, consumed, still computing).  The
@@ -75,8 +78,8 @@ from . import reads_check, xla
 from .native import C
 
 __all__ = ["ENV", "LazyFacts", "Holders", "native", "xlac", "path", "decide_on", "decided",
-           "tensor_id", "is_pending",
-           "is_consumed", "buffer_key", "owner_ids", "holders", "facts"]
+           "tensor_id", "is_pending", "pending_flags", "is_consumed", "buffer_key", "owner_ids",
+           "holders", "facts"]
 
 ENV = "TORCH_XLA_DONATE_NATIVE_READS"
 
@@ -113,6 +116,7 @@ def _xlac_owner_ids(tensors) -> list:
 xlac = types.SimpleNamespace(
     tensor_id=xla.tensor_id,
     is_pending=_xlac_is_pending,
+    pending_flags=xla.has_pending_ir,
     is_consumed=xla.buffer_deleted,
     buffer_key=_xlac_buffer_key,
     owner_ids=_xlac_owner_ids,
@@ -171,6 +175,9 @@ def _native_facts(t):
 native = types.SimpleNamespace(
     tensor_id=_native_tensor_id,
     is_pending=_native_is_pending,
+    # Natively where the read answers, one _check_tensor_need_materialization
+    # for the rest (csrc/base/tensor_access.h PendingFlags).
+    pending_flags=C.pending_flags,
     is_consumed=_native_is_consumed,
     buffer_key=_native_buffer_key,
     owner_ids=_native_owner_ids,
@@ -263,6 +270,11 @@ def tensor_id(t) -> int:
 
 def is_pending(t) -> bool:
     return _selected(t).is_pending(t)
+
+
+def pending_flags(tensors) -> list:
+    tensors = list(tensors)
+    return _selected(tensors).pending_flags(tensors)
 
 
 def is_consumed(t) -> bool:

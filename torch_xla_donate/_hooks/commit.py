@@ -48,7 +48,7 @@ donation settled.
 """
 import sys
 
-from .._base import config, fast_path, xla
+from .._base import config, fast_path, reads, xla
 from .._base.errors import DroppedDonationWarning
 from .._base.lock import lock
 from .._base.messages import Notices
@@ -210,13 +210,13 @@ def split(tensors, records, notices) -> list:
     if not tensors:
         return []
     try:
-        pending = xla.has_pending_ir(tensors)
+        pending = reads.pending_flags(tensors)
     except Exception:
         # Only junk put straight into the ledger (``C.mark(obj, ...)`` with
         # something that is no XLA tensor) gets here: cancel it and go on, so
         # that the step runs and the real marks stay consistent.
         tensors, records = _cancel_junk(tensors, records)
-        pending = xla.has_pending_ir(tensors) if tensors else []
+        pending = reads.pending_flags(tensors) if tensors else []
     # Natively, per tensor: pending (updated in place after marking: an
     # output, keep it) -> UPDATED_IN_PLACE; a view, alias or autograd graph
     # holding it -> ``held``, for ownership.py; else a donor.

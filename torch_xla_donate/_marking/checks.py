@@ -25,7 +25,7 @@ TypeError: donate_buffer expects a torch.Tensor, got list. For the tensors of a 
 """
 import torch
 
-from .._base import xla
+from .._base import reads, xla
 from .._base.dtypes import shape_string
 from .._base.native import C
 from .._outcomes import ownership, poison
@@ -67,7 +67,7 @@ def check_donatable(tensor) -> None:
     poison.check_poisonable(tensor)  # a subclass that cannot take its twin class
     torch._check_value(xla.is_xla(tensor), lambda: not_on_xla(tensor))
     torch._check_value(not tensor._is_view(), lambda: a_view(tensor))
-    torch._check_value(not xla.has_pending_ir([tensor])[0], lambda: pending(tensor))
+    torch._check_value(not reads.is_pending(tensor), lambda: pending(tensor))
     torch._check_value(
         ownership.owns_its_buffer(tensor),
         lambda: f"donate_buffer: {describe(tensor)} has no buffer of its own yet: it is "

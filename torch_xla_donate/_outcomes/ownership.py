@@ -54,7 +54,7 @@ import threading
 
 import torch
 
-from .._base import xla
+from .._base import reads, xla
 from .._base.dtypes import shape_string
 from .._base.errors import DroppedDonationWarning
 from .._base.native import C
@@ -400,12 +400,16 @@ def owns_its_buffer(t) -> bool:
     commit does for every donor alike (sharing.py).  A buffer filed under
     nobody belongs to its one tensor.
     """
-    me = xla.tensor_id(t)
+    me = reads.tensor_id(t)
     if me <= devices.settled_id():
         # Older than the last barrier, which gave every copy then alive a
         # buffer (or the buffer it shares, sharing.py's business).  Not asked:
         # such a tensor may be an output still being computed, and torch_xla
         # crashes asking about one that is sharded.
         return True
-    owner = xla.buffer_owner_ids([t])[0]
-    return owner in (me, xla.NO_OWNER) or owner > me
+    # Both reads twins give None without a live buffer (the callers refused
+    # pending and consumed tensors: an output still being computed), which
+    # is nobody else's buffer.  The native twin asks without the owner
+    # query's side effects (_base/reads.py owner_ids).
+    owner = reads.owner_ids([t])[0]
+    return owner is None or owner in (me, xla.NO_OWNER) or owner > me

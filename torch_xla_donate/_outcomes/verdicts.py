@@ -35,7 +35,7 @@ The verdicts
 torch_xla's donor flag was cleared as soon as the execution had built its
 graph (commit.py), so an unused donation cannot fire at a later step.
 """
-from .._base import xla
+from .._base import reads, xla
 from .._base.lock import lock
 from .._base.native import C
 from . import devices, failures, ownership, poison, unused
@@ -90,7 +90,7 @@ def failed(entries) -> None:
     for t, record in entries:
         if record.verdict != C.Verdict.IN_FLIGHT:
             continue
-        if xla.buffer_deleted(t):
+        if reads.is_consumed(t):
             C.settle(record, C.Verdict.LOST)
             if not poison.is_poisoned(t):
                 poison.poison(t, record)
@@ -142,7 +142,7 @@ def settle_one(t, record) -> None:
         held = next((e[0] for e in _in_flight if e[1].id == record.id), t)
         if failures.in_failed_step(record):
             failed([(held, record)])
-        elif xla.buffer_deleted(t):
+        elif reads.is_consumed(t):
             C.settle(record, C.Verdict.REUSED)
         else:
             _unuse(held, record)
