@@ -186,7 +186,6 @@ def _named_sharers(indices, tensors) -> dict:
 def _screen_by_search(donors, notices) -> list:
     """``screen`` without buffer counts: holders searched for in Python.
 
-
     Without ``check_sharing`` only donors torch_xla files under another
     tensor id are looked at; one whose other holder turns out to be dead is
     donated, and that owner id is not looked for again.
@@ -208,16 +207,12 @@ def _screen_by_search(donors, notices) -> list:
         if not suspects:
             return donors
     dropped = {}
-    with ownership.scanning():  # one walk of the live objects, names included
-        shared = live_sharers([tensors[i] for i in suspects], tensors)
-        for i, sharers in zip(suspects, shared):
-            if sharers:
-                names = ", ".join(_name(o) for o in sharers[:3])
-                if len(sharers) > 3:
-                    names += f" and {len(sharers) - 3} more"
-                dropped.setdefault(_WHY.format(names=names), []).append(donors[i])
-            elif owners.get(i) is not None:
-                _dead_owners.add(owners[i])
+    named = _named_sharers(suspects, tensors)  # one walk of the live objects
+    for i in suspects:
+        if i in named:
+            dropped.setdefault(_WHY.format(names=named[i]), []).append(donors[i])
+        elif owners.get(i) is not None:
+            _dead_owners.add(owners[i])
     for why, entries in dropped.items():
         ownership.drop(entries, why, notices)
     gone = {id(e) for entries in dropped.values() for e in entries}
