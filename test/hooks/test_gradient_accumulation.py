@@ -212,3 +212,27 @@ def test_guard_is_installed_on_import_and_idempotent():
     finally:
         integrations.install()
     assert module._gradient_accumulation.__torch_xla_donate_original__ is not None
+
+
+def test_only_the_step_it_builds_skips_unreachable_holders(dev):
+    """gradient_accumulation's graph holds its inputs' buffers, so the step
+    it builds does not count holders Python cannot reach; the steps after it
+    do: a copy only an autograd graph holds is seen again."""
+    model, data, target, acc = _setup(dev)
+    gradient_accumulation(_train_step(model), (data, target), model, acc)
+    torch_xla.sync()
+    p = materialize(torch.randn(16, 16, device=dev))
+    u = p.to(dev, copy=True)  # shares p's buffer after the step
+    torch_xla.sync()
+    w = torch.ones(16, 16, device=dev, requires_grad=True)
+    loss = (u @ w).sum()
+    del u  # only the autograd graph holds the copy now
+    value = p.cpu()
+    with pytest.warns(tdx.DroppedDonationWarning, match="also held where Python cannot reach"):
+        tdx.donate_buffer(p)
+        new = p * 2
+        torch_xla.sync()
+        tdx.settle()
+    assert not tdx.is_deleted(p) and torch.equal(p.cpu(), value)
+    loss.backward()  # the copy's buffer is intact
+    assert torch.equal(new.cpu(), value * 2) and w.grad is not None

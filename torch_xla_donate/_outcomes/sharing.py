@@ -52,6 +52,7 @@ import torch
 
 from .._base import config, reads, xla
 from .._base.dtypes import shape_string
+from .._base.native import C
 from . import ownership, poison
 
 __all__ = ["screen", "live_sharers", "note_graph_holds_inputs"]
@@ -100,7 +101,7 @@ def screen(donors, notices) -> list:
         tensors = [t for t, _ in donors]
         counts = reads.holders(tensors)
     over = _excess(tensors, counts)
-    graph_holds_inputs = _graph_holds_inputs.pop()
+    graph_holds_inputs = _graph_holds_inputs_at == C.current_step()
     if over:
         # A moment's holders: autograd's worker thread, or the previous
         # execution still dispatching with the buffer as its input.
@@ -123,21 +124,8 @@ def screen(donors, notices) -> list:
     return [e for e in donors if id(e) not in gone]
 
 
-class _Flag:
-    """A flag set by one call, read and cleared by the next commit."""
-
-    def __init__(self):
-        self._set = False
-
-    def set(self):
-        self._set = True
-
-    def pop(self) -> bool:
-        was, self._set = self._set, False
-        return was
-
-
-_graph_holds_inputs = _Flag()
+# The step whose graph torch_xla's gradient_accumulation built (-1: none).
+_graph_holds_inputs_at = -1
 
 
 def note_graph_holds_inputs() -> None:
@@ -145,8 +133,10 @@ def note_graph_holds_inputs() -> None:
     while loop holds the buffers of the tensors it reads (captured ones
     too) in the graph itself, one reference each that no tensor owns.  The
     next commit does not count holders Python cannot reach against its
-    donors (a copy only an autograd graph holds is not seen in that step)."""
-    _graph_holds_inputs.set()
+    donors (a copy only an autograd graph holds is not seen in that step).
+    Every barrier begins a step, so a later step is never exempted."""
+    global _graph_holds_inputs_at
+    _graph_holds_inputs_at = C.current_step() + 1
 
 
 def _excess(tensors, counts) -> list:
