@@ -1,7 +1,8 @@
 """torch.compile(backend="openxla") keeps eager's promises: what eager
 refuses (a view, an intermediate, a 0-dim tensor) is refused while dynamo
 traces, with eager's ``ValueError``; an optimizer's state is donated as in
-eager; switched off, a compiled graph donates nothing and warns."""
+eager, also by ``tdx.donate(opt); opt.step()`` in one compiled function;
+switched off, a compiled graph donates nothing and warns."""
 
 import os
 import warnings
@@ -143,36 +144,59 @@ def test_an_optimizers_state_is_donated_inside_a_compiled_function(dev, kind, fu
         assert all(s["step"].item() == 1 for s in opt.state.values())
 
 
-def _adam_run(dev, donate):
-    """Three compiled Adam steps; the state's buffers kept by each step and
-    the final values."""
+def _adam_run(dev, donate, compiled=True):
+    """Three Adam steps (compiled, or eager); ``donate``: None, "before" the
+    call or "inside" the called function.  The state's buffers kept by each
+    step and the final values."""
     model, opt = _model_and_optimizer(dev, "adam")
-    step = torch.compile(opt.step, backend="openxla")
+
+    def step():
+        if donate == "inside":
+            tdx.donate(opt)
+        opt.step()
+
+    step = torch.compile(step, backend="openxla") if compiled else step
     kept = []
     for _ in range(3):
         before = [buffer_ptr(s["exp_avg"]) for s in opt.state.values()]
-        if donate:
+        if donate == "before":
             tdx.donate(opt)
         step()
         torch_xla.sync()
         kept.append(before == [buffer_ptr(s["exp_avg"]) for s in opt.state.values()])
+    assert _C.marked_count() == 0
     values = [t.detach().cpu() for t in model.parameters()] + [
         s[k].cpu() for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq")]
     return kept, values
 
 
-def test_an_optimizer_donated_before_its_compiled_step_reuses_the_state(dev):
-    """torch.optim breaks the graph before ``step()``: donated inside the
-    compiled function the state would reach no graph that reads it (README,
-    Limits); donated before the compiled call, the step's graph takes it and
-    updates it in its own buffers, with the values of the same steps without
+@pytest.mark.parametrize("donate", ["before", "inside"])
+def test_an_optimizers_state_donated_for_its_compiled_step_is_reused(dev, donate):
+    """``tdx.donate(opt)`` before the compiled call, or inside it next to
+    ``opt.step()``: torch.optim breaks the graph before ``step()``, so the
+    marks made inside wait for the step's graph as eager marks do
+    (dynamo.py, _take_marks_only).  Either way the step's graph updates the
+    state in its own buffers, with the values of the same steps without
     donation (which allocate new ones)."""
-    kept_plain, plain = _adam_run(dev, donate=False)
+    kept_plain, plain = _adam_run(dev, None)
     torch._dynamo.reset()
-    kept, donated = _adam_run(dev, donate=True)
+    kept, donated = _adam_run(dev, donate)
     assert kept == [True] * 3 and kept_plain == [False] * 3
     for a, b in zip(plain, donated):
         torch.testing.assert_close(a, b)
+
+
+def test_an_optimizers_state_donated_for_its_eager_step_keeps_its_values(dev):
+    """The same in eager: torch.optim updates in place, which torch_xla
+    aliases at the barrier with or without donation; the marks end
+    "updated in place", nothing is poisoned, the values are those of the
+    steps without donation."""
+    kept_plain, plain = _adam_run(dev, None, compiled=False)
+    kept, donated = _adam_run(dev, "inside", compiled=False)
+    assert kept == kept_plain == [True] * 3
+    assert _C.step_stats()["updated_in_place"] == 4
+    for a, b in zip(plain, donated):
+        assert torch.equal(a, b)
 
 
 # -- switched off -----------------------------------------------------------------

@@ -26,7 +26,10 @@ arguments are donated):
   function (torch_xla's own way; also what ``donate_buffer``, ``donate`` and
   ``donating`` emit when dynamo traces them, so they cause no graph break)
   donates its argument on every call of the graph: such a donation is
-  marked at the call, poisoned and reported like any other;
+  marked at the call, poisoned and reported like any other.  An argument
+  the graph only donates and never reads (``tdx.donate(opt)`` before
+  torch.optim's graph break) is marked at the call for the next execution
+  that takes it, as eager ``donate`` marks (``_take_marks_only``);
 * the bridge's own syncs (before tracing, for pending inputs) commit
   nothing (executions.py);
 * an argument whose gradient autograd will need (``requires_grad``) is not
@@ -52,6 +55,7 @@ from .._base.lock import lock
 from .._base.messages import Notices
 from .._base.native import C, Via
 from .._base.sites import user_site
+from .._marking import graph_ops
 from .._outcomes import failures, poison, verdicts
 from . import commit, executions
 
@@ -75,6 +79,8 @@ class _CompiledGraph:
     per donation pattern of this graph."""
 
     def __init__(self, model, extract):
+        # Argument indices the graph's own ops only mark (see _take_marks_only).
+        self._carried = _take_marks_only(model)
         self._pristine = copy.deepcopy(model)  # extraction rewrites its model
         self._model = model
         self._extract = extract
@@ -91,8 +97,10 @@ class _CompiledGraph:
                       and C.is_marked(a) and not a.requires_grad]
         if self._static is None:  # the first call: learn the graph's own donors
             self._variant(frozenset(candidates), args, on)
-        if self._static and not on:
+        if (self._static or self._carried) and not on:
             switches.warn_if_off()
+        if on and self._carried:
+            _carry([args[i] for i in self._carried])
         notices = Notices()
         step, donors = self._commit(args, candidates, notices, on)
         donated = {id(t) for t, _ in donors}
@@ -124,11 +132,10 @@ class _CompiledGraph:
         with lock:
             if static:
                 xla_cpu.warn_if_unprotected()
-                file, line = user_site()
+                where = user_site()
                 for t in static:
                     if not C.is_marked(t):
-                        C.mark(t, file, line, tuple(t.shape), xla_dtype_name(t.dtype),
-                               t.nbytes, Via.GRAPH_OP)
+                        _mark_graph_op(t, where)
             tensors = [args[i] for i in candidates] + [t for t in static
                                                        if all(t is not args[i] for i in candidates)]
             if not tensors:
@@ -161,6 +168,53 @@ class _CompiledGraph:
                                      and poison.inner(a)._cdata in impls)
         self._variants[(pattern - self._static, withheld, on)] = fn
         return fn
+
+
+def _take_marks_only(model) -> frozenset:
+    """Removes from ``model`` (an FX graph) the donor ops of the arguments it
+    only marks (each of their uses is a donor op whose result nothing
+    reads); returns those arguments' indices.
+
+    The tricky case: ``tdx.donate(opt); opt.step()`` in one compiled
+    function.  torch.optim breaks the graph before ``step()``, so the graph
+    that marks the state has no op that reads it; committed there, no
+    output could take it (and torch_xla's bridge cannot extract a graph of
+    donor ops alone).  Such a mark is what ``donate`` makes in eager: it
+    waits for the next execution that takes the tensor (the step's graph,
+    or the step barrier); ``__call__`` makes it (``_carry``).  The donor
+    ops reach this graph because graph_ops.py registers them as side
+    effects.
+    """
+    placeholders = [n for n in model.graph.nodes if n.op == "placeholder"]
+    carried = frozenset(
+        i for i, node in enumerate(placeholders)
+        if node.users and all(graph_ops.is_donor_op(user) and not user.users
+                              for user in node.users)
+    )
+    if carried:
+        for i in carried:
+            for user in list(placeholders[i].users):
+                model.graph.erase_node(user)
+        model.recompile()
+    return carried
+
+
+def _carry(tensors) -> None:
+    """Marks ``tensors`` (what a graph only marks) for the next execution
+    that takes them, as ``donate`` would before the call."""
+    tensors = [t for t in tensors if xla.is_xla_tensor(t)]
+    if not tensors:
+        return
+    where = user_site()
+    with lock:
+        for t in tensors:
+            if not C.is_marked(t):
+                _mark_graph_op(t, where)
+
+
+def _mark_graph_op(t, where) -> None:
+    file, line = where
+    C.mark(t, file, line, tuple(t.shape), xla_dtype_name(t.dtype), t.nbytes, Via.GRAPH_OP)
 
 
 class _arming:

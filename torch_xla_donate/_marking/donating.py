@@ -65,7 +65,6 @@ import operator
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.utils._pytree as torch_pytree
 
 from .._base.lock import lock
 from .._base.native import C, Via
@@ -155,7 +154,7 @@ def _handed_back(out, marked) -> list:
     """
     if not marked:
         return []
-    returned = {id(leaf) for leaf in torch_pytree.tree_leaves(out) if isinstance(leaf, torch.Tensor)}
+    returned = {id(t) for t in trees.tensors_in([("out", out)], refuse=False)}
     return [t for t in marked if id(t) in returned]
 
 

@@ -22,15 +22,33 @@ call with new tensors, that is every training step, compiled a new graph.
 Marking a tensor twice is harmless (the op sets a flag), so leaves are not
 deduplicated.  The refusals are judged by ``comptime`` on what dynamo knows
 of the tensor (its FX node, its fake value), which adds no guard.
+
+The other tricky case: a donor op whose result nothing reads (``donate(x)``
+of an ``x`` the graph does not use, ``donate(opt)`` before torch.optim's
+graph break) was dead code to the compiler, removed with its donation, so
+nothing was donated and nothing said.  The op is registered here as a side
+effect, so every graph keeps it; _hooks/dynamo.py then leaves such a mark
+for the next execution that takes the tensor, as eager ``donate`` does.
 """
 import torch
-import torch.utils._pytree as pytree
 from torch._dynamo.comptime import comptime
 from torch._dynamo.exc import TorchRuntimeError
 
 from . import checks
+from .walk import HOST_COUNTER, walk
 
-__all__ = ["donate_in_graph", "donate_trees_in_graph", "RefusedWhileTracing"]
+__all__ = ["donate_in_graph", "donate_trees_in_graph", "RefusedWhileTracing", "is_donor_op"]
+
+_DONOR_OP = torch.ops.xla.dynamo_set_buffer_donor_
+# Kept by dead-code elimination (dynamo's, AOT autograd's) although its
+# result may go unread: the donation is its effect.
+torch.fx.node.has_side_effect(_DONOR_OP)
+torch.fx.node.has_side_effect(_DONOR_OP.default)
+
+
+def is_donor_op(node) -> bool:
+    """Whether the FX ``node`` calls ``dynamo_set_buffer_donor_``."""
+    return node.op == "call_function" and node.target in (_DONOR_OP, _DONOR_OP.default)
 
 
 class RefusedWhileTracing(TorchRuntimeError, ValueError):
@@ -50,39 +68,20 @@ def donate_in_graph(tensors) -> None:
 
 def donate_trees_in_graph(named_trees) -> int:
     """``donate`` of the ``(label, tree)`` pairs while dynamo traces it: one
-    graph op per tensor leaf (a module stands for its parameters and
-    buffers, an optimizer for its state; 0-dim leaves are skipped, as
-    torch.optim's CPU step counters are in eager).  All or nothing: every
-    leaf is judged before any op is emitted, and a refusal names the leaf's
-    path as eager does.  Returns the number of leaves (a tensor reached
-    twice counts twice here)."""
-    named = [(path, t) for label, tree in named_trees for path, t in _named_leaves(label, tree)
-             if t.dim() > 0 or t.device.type == "xla"]
+    graph op per tensor the walk yields (walk.py: the same leaves, paths and
+    refusals as eager), but for 0-dim tensors, never donated (checks.SCALARS;
+    an optimizer's host counters are not even judged).  All or nothing:
+    every tensor is judged before any op is emitted, and a refusal names
+    the tensor's path as eager does.  Returns the number of tensors given an
+    op (a tensor reached twice counts twice here)."""
+    named = [(path, t) for label, tree in named_trees
+             for path, t, kind in walk(label, tree) if kind != HOST_COUNTER]
     for path, t in named:
         _refuse_unless_input(t, path)
     tensors = [t for _, t in named if t.dim() > 0]
     for t in tensors:
         torch.ops.xla.dynamo_set_buffer_donor_(t, True)
     return len(tensors)
-
-
-def _named_leaves(label, tree) -> list:
-    """``(path, tensor)`` of ``tree``'s tensors, named as trees._walk names
-    them, without looking at identities (see the module docstring)."""
-    out = []
-    for key_path, leaf in pytree.tree_flatten_with_path(tree)[0]:
-        path = label + pytree.keystr(key_path)
-        if isinstance(leaf, torch.Tensor):
-            out.append((path, leaf))
-        elif isinstance(leaf, torch.nn.Module):
-            out += [(f"{path}.{name}", t) for name, t in leaf.named_parameters()]
-            out += [(f"{path}.{name}", t) for name, t in leaf.named_buffers()]
-        elif isinstance(leaf, torch.optim.Optimizer):
-            params = [p for group in leaf.param_groups for p in group["params"]]
-            for i, p in enumerate(params):
-                if p in leaf.state:
-                    out += _named_leaves(f"{path}.state[{i}]", leaf.state[p])
-    return out
 
 
 def _refuse_unless_input(t, path) -> None:

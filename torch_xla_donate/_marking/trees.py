@@ -15,7 +15,7 @@ would mark one::
 
 What counts as a leaf follows ``torch.utils._pytree`` (lists, tuples,
 namedtuples, dicts and any registered type), with two additions pytree does
-not know about:
+not know about (walk.py has the rules every entry point shares):
 
 * an ``nn.Module`` stands for its parameters and buffers.  They are donated
   *in place*: after the step the module's own tensors are poisoned, and
@@ -35,7 +35,9 @@ Buffers of a module that a step only reads (a causal mask made with
 with an ``UnusedDonationWarning`` naming them (``module.mask``).  Donate
 ``list(model.parameters())`` instead, or leave the buffers out.
 
-Other non-tensor leaves (``None``, numbers, strings, objects) are skipped.
+Other non-tensor leaves (``None``, numbers, strings, objects) are skipped,
+but a dataclass pytree cannot look into is refused: its fields would be
+skipped unseen (register it with ``torch.utils._pytree.register_dataclass``).
 The same tensor reached twice (tied weights, a tensor in two lists) is
 donated once.
 
@@ -53,7 +55,6 @@ import warnings
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
 from .._base import config, xla
 from .._base.errors import DonatedBufferError
@@ -64,8 +65,9 @@ from .._outcomes import ownership, poison, report, unused
 from . import graph_ops
 from .checks import check_donatable
 from .marks import mark
+from .walk import BUFFER, HOST_COUNTER, TENSOR, check_root, walk
 
-__all__ = ["donate", "undonate", "donate_named", "tensors_in", "check_root"]
+__all__ = ["donate", "undonate", "donate_named", "tensors_in"]
 
 
 def donate(tree: Any) -> int:
@@ -89,8 +91,8 @@ def donate(tree: Any) -> int:
       ``XLA_ENABLE_PARAM_ALIASING=0``) or the tree holds no tensor.
 
     Raises (marking nothing):
-      TypeError: ``tree`` itself is an object pytree cannot look into (for
-        instance an unregistered dataclass), so nothing in it could be donated.
+      TypeError: ``tree`` itself is an object pytree cannot look into, or
+        holds an unregistered dataclass, so its tensors could not be donated.
       ValueError, DonatedBufferError: a tensor of the tree cannot be donated;
         the message names its path, e.g. ``tree['layer1'][0]``.
     """
@@ -183,12 +185,10 @@ def _donate_plain(named_trees, where, via) -> int:
         return -1
     tensors = {}
     for label, tree in named_trees:
-        check_root(label, tree)
-        for leaf in pytree.tree_leaves(tree):
-            if isinstance(leaf, torch.Tensor):
-                tensors[id(leaf)] = leaf
-            elif isinstance(leaf, (torch.nn.Module, torch.optim.Optimizer)):
+        for _, leaf, kind in walk(label, tree, paths=False):
+            if kind != TENSOR:
                 return -1
+            tensors[id(leaf)] = leaf
     with lock:  # never in the middle of a commit; see marks.mark_checked
         return C.try_mark_all(list(tensors.values()), where, via)
 
@@ -215,29 +215,21 @@ def _checked(path, check, *args):
         ) from None
 
 
-def tensors_in(named_trees) -> list:
+def tensors_in(named_trees, refuse=True) -> list:
     """Every distinct tensor of the ``(label, tree)`` pairs, as ``donate``
     would see them (module parameters and buffers, optimizer state), without
-    building paths.
+    building paths; ``refuse``: raise what the walk refuses (walk.py).
 
     >>> t = torch.ones(1)
     >>> tensors_in([("a", [t, t, 3])]) == [t]
     True
     """
     seen, out = set(), []
-    for _, tree in named_trees:
-        for leaf in pytree.tree_leaves(tree):
-            if isinstance(leaf, torch.nn.Module):
-                found = list(leaf.parameters()) + list(leaf.buffers())
-            elif isinstance(leaf, torch.optim.Optimizer):
-                found = [t for state in leaf.state.values()
-                         for t in pytree.tree_leaves(state) if isinstance(t, torch.Tensor)]
-            else:
-                found = [leaf] if isinstance(leaf, torch.Tensor) else []
-            for t in found:
-                if id(t) not in seen:
-                    seen.add(id(t))
-                    out.append(t)
+    for label, tree in named_trees:
+        for _, t, _ in walk(label, tree, paths=False, refuse=refuse):
+            if id(t) not in seen:
+                seen.add(id(t))
+                out.append(t)
     return out
 
 
@@ -247,76 +239,17 @@ def _tensor_leaves(named_trees):
     how many host-side optimizer counters were left out."""
     seen, leaves, buffers, host_counters = set(), [], [], 0
     for label, tree in named_trees:
-        check_root(label, tree)
-        for path, tensor, kind in _walk(label, tree, host_scalars_ok=False):
+        for path, tensor, kind in walk(label, tree):
             if id(tensor) in seen:
                 continue
             seen.add(id(tensor))
-            if kind == "host counter":
+            if kind == HOST_COUNTER:
                 host_counters += 1
                 continue
             leaves.append((path, tensor))
-            if kind == "buffer":
+            if kind == BUFFER:
                 buffers.append((path, tensor))
     return leaves, buffers, host_counters
-
-
-def _walk(label, tree, host_scalars_ok):
-    """Yields ``(path, tensor, kind)`` for the tensors of ``tree``; ``kind``
-    is None, "buffer" (of a module) or "host counter" (an optimizer's 0-dim
-    CPU tensor, not to be donated).
-
-    >>> [p for p, _, _ in _walk("params", {"w": [torch.ones(1), 3]}, False)]
-    ["params['w'][0]"]
-    """
-    for key_path, leaf in pytree.tree_flatten_with_path(tree)[0]:
-        path = label + pytree.keystr(key_path)
-        if isinstance(leaf, torch.Tensor):
-            if host_scalars_ok and leaf.dim() == 0 and not xla.is_xla(leaf):
-                # torch.optim's host-side counter (state["step"]), not a device buffer
-                yield path, leaf, "host counter"
-            else:
-                yield path, leaf, None
-        elif isinstance(leaf, torch.nn.Module):
-            for name, tensor in leaf.named_parameters():
-                yield f"{path}.{name}", tensor, None
-            for name, tensor in leaf.named_buffers():
-                yield f"{path}.{name}", tensor, "buffer"
-        elif isinstance(leaf, torch.optim.Optimizer):
-            yield from _optimizer_state(path, leaf)
-
-
-def _optimizer_state(path, optimizer):
-    """The optimizer's state tensors, named by parameter index as in
-    ``optimizer.state_dict()['state']``."""
-    index = {}
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            index.setdefault(id(param), len(index))
-    for param, state in optimizer.state.items():
-        name = f"{path}.state[{index.get(id(param), '?')}]"
-        yield from _walk(name, state, host_scalars_ok=True)
-
-
-_SCALARS = (bool, int, float, complex, str, bytes, type(None))
-
-
-def check_root(label, tree, call="donate") -> None:
-    """Refuses a root that pytree sees as an opaque leaf.
-
-    Nested opaque leaves are skipped like numbers, but a root the caller
-    explicitly asked to donate (a dataclass, a custom state object) that
-    pytree cannot look into would silently donate nothing.
-    """
-    if isinstance(tree, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer) + _SCALARS):
-        return
-    if pytree.tree_structure(tree).is_leaf():
-        raise TypeError(
-            f"{call}: {label} is a {type(tree).__qualname__}, which torch.utils._pytree "
-            f"cannot look into, so none of its tensors would be {call}d. Pass its "
-            "tensors in a list, tuple or dict, or register the type with "
-            "torch.utils._pytree.register_pytree_node."
-        )
 
 
 def _root_label(tree) -> str:

@@ -1,0 +1,116 @@
+"""The one walk over what the donating calls take.
+
+``donate(tree)``, ``undonate(tree)``, ``donating`` (each selected argument,
+named by selection.py), ``donate(optimizer)`` and all of them while dynamo
+traces them (graph_ops.py) see a tree through ``walk``, so they accept the
+same leaves and name them the same way:
+
+* a tensor is a leaf; lists, tuples, namedtuples, dicts, ``None`` and any
+  type registered with ``torch.utils._pytree`` are looked into;
+* an ``nn.Module`` stands for its parameters, then its buffers
+  (``module.fc1.weight``);
+* a ``torch.optim.Optimizer`` stands for the tensors of its ``state``, named
+  by the parameter's index across ``param_groups`` as in
+  ``state_dict()`` (``optimizer.state[3]['exp_avg']``); its 0-dim tensors
+  off the device (torch.optim's ``step`` counters) are host counters, never
+  donated;
+* numbers, strings, ``None`` and other objects inside a tree are skipped;
+* refused with a ``TypeError`` naming the path and the fix: a root that
+  pytree cannot look into (``donate(my_state_object)`` would donate
+  nothing), and a dataclass anywhere (it has fields, likely tensors, that
+  pytree does not see unless the type is registered).
+
+What is done with a tensor (refused on the CPU, as a view, ...) is the
+caller's business: checks.py in eager, graph_ops.py while dynamo traces.
+
+The tricky case: the walk never looks at a tensor's identity (no ``id``,
+no dict keyed by tensors it builds), because dynamo guards on what the
+traced code reads and would compile a new graph for every new tensor.
+Callers that want each tensor once deduplicate themselves, outside a trace.
+
+>>> [(p, k) for p, _, k in walk("params", {"w": [torch.ones(1), 3, None]})]
+[("params['w'][0]", 'tensor')]
+"""
+import dataclasses
+
+import torch
+import torch.utils._pytree as pytree
+
+__all__ = ["walk", "check_root", "TENSOR", "PARAMETER", "BUFFER", "STATE", "HOST_COUNTER"]
+
+# The kinds of tensor ``walk`` yields.
+TENSOR = "tensor"  # a leaf of the tree itself
+PARAMETER = "parameter"  # of a module
+BUFFER = "buffer"  # of a module: a step that only reads it cannot take it
+STATE = "state"  # an optimizer's state on the device
+HOST_COUNTER = "host counter"  # an optimizer's 0-dim state off the device
+
+_SCALARS = (bool, int, float, complex, str, bytes, type(None))
+
+
+def walk(label, tree, paths=True, refuse=True):
+    """Yields ``(path, tensor, kind)`` for every tensor of ``tree``, in order,
+    a tensor reached twice yielded twice.  ``label`` starts each path;
+    ``paths=False`` yields None for paths (cheaper: no key paths built).
+    With ``refuse``, raises the TypeError of the rules above."""
+    if refuse:
+        check_root(label, tree)
+    yield from _walk(label, tree, paths, refuse, in_state=False)
+
+
+def _walk(label, tree, paths, refuse, in_state):
+    if paths:
+        items = ((label + pytree.keystr(k), leaf)
+                 for k, leaf in pytree.tree_flatten_with_path(tree)[0])
+    else:
+        items = ((None, leaf) for leaf in pytree.tree_leaves(tree))
+    for path, leaf in items:
+        if isinstance(leaf, torch.Tensor):
+            if in_state and leaf.dim() == 0 and leaf.device.type != "xla":
+                yield path, leaf, HOST_COUNTER
+            else:
+                yield path, leaf, STATE if in_state else TENSOR
+        elif isinstance(leaf, torch.nn.Module):
+            for name, t in leaf.named_parameters():
+                yield _join(path, f".{name}"), t, PARAMETER
+            for name, t in leaf.named_buffers():
+                yield _join(path, f".{name}"), t, BUFFER
+        elif isinstance(leaf, torch.optim.Optimizer):
+            params = [p for group in leaf.param_groups for p in group["params"]]
+            for i, p in enumerate(params):
+                if p in leaf.state:
+                    yield from _walk(_join(path, f".state[{i}]"), leaf.state[p], paths,
+                                     refuse, in_state=True)
+        elif refuse and dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            if path is None:  # the cheap walk: the message needs the path
+                for _ in _walk(label, tree, True, refuse, in_state):
+                    pass
+            raise _opaque(path, leaf, "donate")
+
+
+def _join(path, tail):
+    return None if path is None else path + tail
+
+
+def check_root(label, tree, call="donate") -> None:
+    """Refuses a root that pytree sees as an opaque leaf.
+
+    Nested opaque objects are skipped like numbers (dataclasses excepted, see
+    the module docstring), but a root the caller explicitly asked to donate
+    (a custom state object) that pytree cannot look into would silently
+    donate nothing.
+    """
+    if isinstance(tree, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer) + _SCALARS):
+        return
+    if pytree.tree_structure(tree).is_leaf():
+        raise _opaque(label, tree, call)
+
+
+def _opaque(path, obj, call) -> TypeError:
+    return TypeError(
+        f"{call}: {path} is a {type(obj).__qualname__}, which torch.utils._pytree "
+        f"cannot look into, so none of its tensors would be {call}d. Pass its "
+        "tensors in a list, tuple or dict, or register the type with "
+        "torch.utils._pytree.register_pytree_node (register_dataclass for a "
+        "dataclass)."
+    )
