@@ -37,112 +37,37 @@ The holders and their fate
 
 Finding holders
 ---------------
-The scan walks the objects Python's garbage collector tracks (about 50 ms in
-a process with torch_xla loaded), so it runs only when a use count says
-there is a holder, once per call (``scanning()`` caches it).  It leaves out
-the Python objects of tensors only C++ keeps alive (csrc/outcomes/
-ownership.cpp): they count as C++ holders, and kept in a list they would
-outlive their TensorImpls.
+holders.py walks the objects Python's garbage collector tracks, only when a
+use count says there is a holder, once per call (``scanning()``);
+autograd_holds.py answers and waits for autograd; companions.py keeps the
+companions until the verdict.
 
 Buffers torch_xla shares between distinct tensors (copies made by
 ``load_state_dict``, ``copy_``, ``t.to(device, copy=True)``) are invisible to
 c10's counts: a copy made since the last barrier is refused here
 (``owns_its_buffer``); sharing.py looks at the others at the commit.
 """
-import contextlib
-import threading
-
-import torch
-
 from .._base import reads, xla
-from .._base.dtypes import shape_string
 from .._base.errors import DroppedDonationWarning
 from .._base.native import C
-from . import devices, poison
+from . import devices
 
-__all__ = ["judge", "judge_at_commit", "drop", "held_by_autograd", "owns_its_buffer",
-           "settle_autograd", "scan", "poison_companions", "companions_by_record",
-           "storage_of"]
+# The rooms this module judges with; their names stay importable from here
+# (the commit and sharing.py use them as ``ownership.<name>``).
+from .autograd_holds import held_by_autograd, settle_autograd
+from .companions import (
+    companions_by_record,
+    poison_companions,
+    register_companions,
+    settle_companions,
+)
+from .holders import scan, scanning, storage_of
 
-
-def held_by_autograd(t) -> bool:
-    """True when C++ code besides ``t`` itself holds ``t``'s TensorImpl: an
-    autograd graph that saved it for backward (``w * w`` saves ``w``), or a
-    parameter's ``.grad`` slot.
-
-    Python references do not count, and neither does the AccumulateGrad node a
-    leaf that requires grad gets once a graph uses it (it never reads the
-    value).  Not a tensor: False.
-
-    >>> w = torch.ones(2, requires_grad=True)
-    >>> held_by_autograd(w)
-    False
-    >>> loss = (w * w).sum()
-    >>> held_by_autograd(w)
-    True
-    >>> loss.backward()
-    >>> held_by_autograd(w)
-    False
-    """
-    if not isinstance(t, torch.Tensor):
-        return False
-    return t._use_count() > 1 + (t.is_leaf and t.requires_grad)
-
-
-def settle_autograd(device) -> None:
-    """Waits until autograd's worker thread for ``device`` has released the
-    graphs of the backward passes it finished.
-
-    The thread drops its last references to a graph (and the tensors the
-    graph saved) a moment after the caller of ``grad()``/``backward()`` got
-    its result.  A backward on the same device is queued behind that: once
-    it has run, the earlier graph is gone.  Nothing is executed on the
-    device (the lazy result is dropped).
-
-    The tricky case: the caller's grad mode.  Optimizer updates run under
-    ``torch.no_grad()``, serving under ``torch.inference_mode()``, and a
-    ``torch.compile`` call runs with grad off; the probe backward needs
-    autograd on whatever the caller's mode is, so it switches it on for
-    itself only.
-
-    >>> import torch_xla
-    >>> with torch.inference_mode():
-    ...     settle_autograd(torch_xla.device())
-    >>> torch.is_grad_enabled()
-    True
-
-    (On an XLA device: autograd sizes its device queues at its first
-    backward, and a first backward on the CPU before torch_xla's runtime is
-    up would leave XLA's out.)
-    """
-    with torch.inference_mode(False), torch.enable_grad():
-        # Shape (1,): a 0-dim tensor moved to the device becomes a constant
-        # in torch_xla's IR (pending), not device data.
-        x = torch.zeros(1).to(device).requires_grad_()
-        one = torch.ones(1).to(device)
-        torch.autograd.grad(_Probe.apply(x), x, grad_outputs=one)
-
-
-class _Probe(torch.autograd.Function):
-    """The probe backward of ``settle_autograd``, which computes nothing.
-
-    The tricky case: autograd's worker thread holds the probe's own graph a
-    moment after ``grad()`` returns too.  A probe computing ``x * 1.0``
-    left a lazy tensor (the gradient it captured) alive in that thread, and
-    one still alive at the step barrier that follows became an extra output
-    of the user's graph: a new graph and a compile, now and then, under
-    load.  Here every tensor is device data uploaded from the host and the
-    backward hands its gradient through: nothing pending, nothing to sync.
-    """
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.detach()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
-
+__all__ = ["judge", "judge_at_commit", "drop", "owns_its_buffer",
+           # from the rooms it judges with:
+           "held_by_autograd", "settle_autograd", "scan", "scanning", "storage_of",
+           "companions_by_record", "register_companions", "poison_companions",
+           "settle_companions"]
 
 # -- Holders ----------------------------------------------------------------------
 
@@ -209,109 +134,6 @@ def _judge_aliases(t, others, result) -> None:
             "drop the graph")
 
 
-
-
-class _Scan:
-    """One walk over the objects the garbage collector tracks: live tensors,
-    the modules holding them, and the leaves autograd graphs accumulate into."""
-
-    def __init__(self):
-        # Not the Python objects of tensors only C++ keeps alive (see
-        # live_objects in csrc/module.cpp): no Python code holds those, and
-        # ours must not outlive their TensorImpls.
-        self.tensors, modules = C.live_objects((torch.Tensor, torch.nn.Module))
-        self._names = {}
-        for m in modules:
-            for kind, named in (("parameter", m.named_parameters()), ("buffer", m.named_buffers())):
-                for name, p in named:
-                    label = f"{kind} '{name}' of {type(m).__name__}"
-                    # The root-most module gives the longest, most telling name.
-                    if len(label) > len(self._names.get(id(p), "")):
-                        self._names[id(p)] = label
-        self._leaves = None
-
-    def sharing(self, address, t):
-        seen = {id(t)}
-        for o in self.tensors + self._accumulated_leaves():
-            if id(o) not in seen and storage_of(o) == address:
-                seen.add(id(o))
-                yield o
-
-    def module_name(self, t):
-        return self._names.get(id(t))
-
-    def accumulated(self, t) -> bool:
-        return any(t is leaf for leaf in self._accumulated_leaves())
-
-    def _accumulated_leaves(self) -> list:
-        """The variables of the AccumulateGrad nodes of every graph a live
-        tensor roots."""
-        if self._leaves is None:
-            leaves, seen = [], set()
-            todo = [f for f in (_attribute(t, "grad_fn") for t in self.tensors) if f is not None]
-            kept = []  # node wrappers are made on access: keep them, or ids repeat
-            while todo:
-                node = todo.pop()
-                if node is None or id(node) in seen:
-                    continue
-                seen.add(id(node))
-                kept.append(node)
-                variable = getattr(node, "variable", None)
-                if isinstance(variable, torch.Tensor):
-                    leaves.append(variable)
-                todo.extend(n for n, _ in node.next_functions)
-            self._leaves = leaves
-        return self._leaves
-
-    def grad_slot_of(self, t):
-        for o in self.tensors:
-            if o is not t and _attribute(o, "is_leaf") and _attribute(o, "grad") is t:
-                name = self._names.get(id(o))
-                return f"the {name}" if name else f"a tensor {shape_string(o)}"
-        return None
-
-
-def _attribute(t, name):
-    """``t.<name>``, or None where torch refuses (an undefined tensor)."""
-    try:
-        return getattr(t, name)
-    except RuntimeError:
-        return None
-
-
-def storage_of(t) -> int:
-    """The address of ``t``'s StorageImpl; 0 for none (or a tensor torch
-    cannot describe, as found among the garbage collector's objects)."""
-    try:
-        return C.storage_address(t)
-    except (RuntimeError, TypeError):
-        return 0
-
-
-_local = threading.local()
-
-
-@contextlib.contextmanager
-def scanning():
-    """Within it, ``scan()`` walks the objects once and reuses the result."""
-    _local.depth = getattr(_local, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _local.depth -= 1
-        if _local.depth == 0:
-            _local.scan = None
-
-
-def scan() -> _Scan:
-    cached = getattr(_local, "scan", None)
-    if cached is None:
-        cached = _Scan()
-        if getattr(_local, "depth", 0):
-            _local.scan = cached
-    return cached
-
-
 # -- At the commit ----------------------------------------------------------------
 
 def judge_at_commit(held, notices) -> list:
@@ -345,42 +167,6 @@ def drop(entries, why: str, notices) -> None:
         + ". These tensors keep their values.",
         [record for _, record in entries],
     )
-
-
-# -- Companions: taken down with a donation ---------------------------------------
-
-companions_by_record = {}  # record id -> (record, [(tensor, note)]) while its verdict is open
-
-
-def register_companions(record, companions) -> None:
-    if companions:
-        companions_by_record[record.id] = (record, list(companions))
-
-
-def poison_companions(records_ids) -> None:
-    """After the execution: the companions of these donations share their
-    fate (provisionally, as the donors do, until the verdict)."""
-    for rid in records_ids:
-        entry = companions_by_record.get(rid)
-        if entry is not None:
-            record, companions = entry
-            for t, note in companions:
-                poison.poison(t, record, note)
-
-
-def settle_companions() -> None:
-    """Companions of donations judged since: given back with an unused or
-    failed donation, kept poisoned with a consumed one, forgotten."""
-    if not companions_by_record:
-        return
-    for rid, (record, companions) in list(companions_by_record.items()):
-        if record.verdict in (C.Verdict.MARKED, C.Verdict.IN_FLIGHT):
-            continue
-        del companions_by_record[rid]
-        if record.verdict != C.Verdict.REUSED:
-            for t, _ in companions:
-                if poison.is_poisoned(t):
-                    poison.unpoison(t)
 
 
 # -- Copies sharing their source's buffer -----------------------------------------
