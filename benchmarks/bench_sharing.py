@@ -1,4 +1,4 @@
-"""What seeing shared device buffers costs (torch_xla_donate/sharing.py).
+"""What seeing shared device buffers costs (torch_xla_donate/_outcomes/sharing.py).
 
 A step donates N small tensors (f32[16]) and replaces each by ``t + 1``,
 then ``torch_xla.sync(wait=False)`` and ``xm.wait_device_ops()``.  Modes, in

@@ -229,7 +229,8 @@ void RegisterPyTypes(PyObject* module) {
   }
   py::object verdict = py::module_::import("enum").attr("IntEnum")(
       "Verdict", members, py::arg("module") = "torch_xla_donate._C");
-  verdict.attr("__doc__") = "What became of one donation; only CONSUMED poisons the tensor.";
+  verdict.attr("__doc__") =
+      "What became of one donation; REUSED and LOST leave the tensor poisoned.";
   for (int v = 0; v < kVerdictCount; ++v) g_verdicts[v] = verdict(v).release().ptr();
   m.attr("Verdict") = verdict;
 

@@ -132,9 +132,9 @@ PyType_Slot kSlots[] = {
     {Py_tp_clear, reinterpret_cast<void*>(TrampolineClear)},
     {Py_tp_getset, kGetters},
     {Py_tp_descr_get, reinterpret_cast<void*>(TrampolineGet)},
-    {Py_tp_doc,
-     const_cast<char*>("Trampoline(real, before, after): calls real(*args) from C between "
-                       "before(*args) and after(token, result, error); see csrc/trampoline.h.")},
+    {Py_tp_doc, const_cast<char*>(
+                    "Trampoline(real, before, after): calls real(*args) from C between "
+                    "before(*args) and after(token, result, error); see csrc/hooks/trampoline.h.")},
     {0, nullptr},
 };
 

@@ -1,7 +1,7 @@
 // Marking's fast path: the twin of torch_xla_donate/_marking/checks.py and
 // marks.py for the common case, in one call per tensor or tree.  It says
 // "no" (changing nothing) whenever anything is unusual, and the Python path
-// then decides and words the error; test/marking/test_twins.py runs every
+// then decides and words the error; test/marking/test_marking_twins.py runs every
 // tensor kind through both and compares.
 //
 // Marking only records: torch_xla's donor flag is set inside the execution

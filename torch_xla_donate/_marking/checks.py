@@ -4,7 +4,7 @@
 (csrc/marking/marking.cpp): the fast path answers the common case in one
 call and says "no" to anything unusual; this module then finds what is
 unusual and raises the error that names it and says what to do.
-test/marking/test_twins.py runs every tensor kind through both.
+test/marking/test_marking_twins.py runs every tensor kind through both.
 
 The tricky cases each check exists for:
 
