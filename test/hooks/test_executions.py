@@ -133,6 +133,23 @@ def test_uninstall_cancels_every_mark_and_install_brings_the_hooks_back(dev):
     assert step_hook.installed() and isinstance(torch_xla._XLAC._xla_step_marker, _C.Trampoline)
 
 
+def test_a_configure_after_uninstall_keeps_the_fast_path_closed(dev):
+    """One module writes the native fast-path switch (_base/fast_path.py): a
+    ``configure()`` after ``uninstall()`` (its listener refreshes the switch)
+    cannot reopen it while the hooks are out."""
+    t = _state(dev)
+    step_hook.uninstall()
+    try:
+        previous = tdx.configure(enabled=True)
+        assert not _C.try_mark(t, ("here.py", 1), _C.Via.DONATE_BUFFER)
+        assert not tdx.is_donated(t)
+        tdx.configure(**previous)
+    finally:
+        step_hook.install()
+    assert _C.try_mark(t, ("here.py", 1), _C.Via.DONATE_BUFFER)  # open again
+    assert tdx.undonate(t)
+
+
 def test_a_donating_call_that_raises_leaves_nothing_marked(dev):
     @tdx.donating(donate_argnums=0)
     def update(p):

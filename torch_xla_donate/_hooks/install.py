@@ -29,7 +29,7 @@ def install() -> None:
         gradient_accumulation.install()
         if fast_path.refresh not in config.changed_listeners:
             config.changed_listeners.append(fast_path.refresh)
-        fast_path.refresh()
+        fast_path.hooks_in(True)
 
 
 def uninstall() -> None:
@@ -42,7 +42,7 @@ def uninstall() -> None:
         torchscript.uninstall()
         dynamo.uninstall()
         executions.uninstall()
-        C.set_fast_path_enabled(False)
+        fast_path.hooks_in(False)
 
 
 def installed() -> bool:
