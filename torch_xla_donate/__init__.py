@@ -18,6 +18,75 @@ Importing the package switches XLA:CPU's XNNPACK off where it still can
 (``_base/xla_cpu.py``), hooks torch_xla's executions, installs
 ``torch_xla._XLAC.donate_buffer`` and guards ``gradient_accumulation``
 against donated model parameters.
+
+Design: the life of one donated tensor
+======================================
+
+One tensor ``p``, from ``donate_buffer(p)`` to a read of it after the step
+consumed it.  Each stage is one function; its module docstring names the
+tricky cases.
+
+Marking
+-------
+``donate_buffer(p)`` is ``C.donate_buffer`` (csrc/marking/marking.cpp): the
+common case checks ``p`` and records a mark in the native ledger (verdict
+MARKED) in one call.  Anything unusual goes to
+``_marking/tensor.donate_buffer_checked`` and ``_marking/marks.mark_checked``
+(each refusal with its own error: ``_marking/checks.check_donatable``).
+Trees go through ``_marking/walk.walk`` first (``donate``, ``donating``, an
+optimizer).  A mark only records: no torch_xla flag is set yet.
+
+Commit: begin, decide, arm
+--------------------------
+The step barrier (``torch_xla.sync()``) runs through a native trampoline
+(``_hooks/executions.barrier_trampoline``) whose first half is
+``_hooks/commit.barrier_before``:
+
+* begin: ``_outcomes/devices.begin_step_on`` takes the barrier device's
+  marks into a new step;
+* decide: ``_hooks/commit.decide`` -> ``split`` keeps ``p`` as a donor unless
+  it was updated in place (UPDATED_IN_PLACE) or another holder shares its
+  buffer (``_outcomes/ownership.judge_at_commit``,
+  ``_outcomes/sharing.screen``: DROPPED, value kept);
+* arm: ``_hooks/commit.arm`` sets torch_xla's donor flag on ``p``'s buffer.
+
+A call of a ``torch.compile``d graph commits the marks of its own arguments
+(``_hooks/dynamo._CompiledGraph._commit``: ``C.begin_step``, then
+``split``; its flags are armed around the bridge's extraction) and ends in
+the same ``finish``.
+
+Execution
+---------
+torch_xla's real barrier builds the graph (its donor set is fixed now: an
+output of ``p``'s size and dtype may take the buffer) and dispatches it.
+
+Finish, settle and verdicts
+---------------------------
+The trampoline's second half, ``_hooks/commit.barrier_after``, calls
+``_hooks/commit.finish``: flags cleared and ``p`` poisoned in one native
+call (``C.disarm_and_poison``), its verdict IN_FLIGHT
+(``_outcomes/verdicts.after_commit``).  Once the step is known to be
+dispatched (the next barrier, ``settle()``, ``is_deleted`` or a use of
+``p``), ``_outcomes/verdicts._settle`` decides (natively,
+``C.settle_entries``): REUSED (the buffer was taken), UNUSED (value kept,
+poison lifted, ``UnusedDonationWarning``) or, for a failed step,
+STEP_FAILED / LOST.
+
+Poisoning
+---------
+``_outcomes/poison.poison`` (natively, ``C.disarm_and_poison``) gives the
+tensor torch_xla computes with a class whose ``__torch_dispatch__``
+refuses operators.  A read of ``p`` lands there:
+``_outcomes/poison.settled_consumed`` settles the verdict first (through
+``_outcomes/verdicts.settle_one``), and if it is REUSED raises
+``_outcomes/poison.donated_error``: ``DonatedBufferError`` naming the line
+that donated ``p`` and the step that reused its buffer.
+
+Report
+------
+Every verdict is counted in the native ledger; ``last_step_report()`` and
+``summary()`` (``_outcomes/report.py``) read it, and the settled-step
+listener (``_outcomes/report._on_settled``) writes the per-step log.
 """
 __version__ = "0.3.0"
 
