@@ -146,12 +146,12 @@ def test_an_optimizers_state_is_donated_inside_a_compiled_function(dev, kind, fu
 
 def _adam_run(dev, donate, compiled=True):
     """Three Adam steps (compiled, or eager); ``donate``: None, "before" the
-    call or "inside" the called function.  The state's buffers kept by each
+    call, "inside" the called function or "both".  The state's buffers kept by each
     step and the final values."""
     model, opt = _model_and_optimizer(dev, "adam")
 
     def step():
-        if donate == "inside":
+        if donate in ("inside", "both"):
             tdx.donate(opt)
         opt.step()
 
@@ -159,7 +159,7 @@ def _adam_run(dev, donate, compiled=True):
     kept = []
     for _ in range(3):
         before = [buffer_ptr(s["exp_avg"]) for s in opt.state.values()]
-        if donate == "before":
+        if donate in ("before", "both"):
             tdx.donate(opt)
         step()
         torch_xla.sync()
@@ -170,14 +170,15 @@ def _adam_run(dev, donate, compiled=True):
     return kept, values
 
 
-@pytest.mark.parametrize("donate", ["before", "inside"])
+@pytest.mark.parametrize("donate", ["before", "inside", "both"])
 def test_an_optimizers_state_donated_for_its_compiled_step_is_reused(dev, donate):
     """``tdx.donate(opt)`` before the compiled call, or inside it next to
-    ``opt.step()``: torch.optim breaks the graph before ``step()``, so the
-    marks made inside wait for the step's graph as eager marks do
-    (dynamo.py, _take_marks_only).  Either way the step's graph updates the
-    state in its own buffers, with the values of the same steps without
-    donation (which allocate new ones)."""
+    ``opt.step()``, or both: torch.optim breaks the graph before ``step()``,
+    so the marks made inside wait for the step's graph as eager marks do,
+    and the graph that only marks commits none (dynamo.py,
+    _take_marks_only).  Every way the step's graph updates the state in its
+    own buffers, with the values of the same steps without donation (which
+    allocate new ones)."""
     kept_plain, plain = _adam_run(dev, None)
     torch._dynamo.reset()
     kept, donated = _adam_run(dev, donate)

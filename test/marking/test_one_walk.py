@@ -181,3 +181,24 @@ def test_every_entry_point_walks_a_tree_the_same_way(dev, kind, entry):
         tdx.undonate(tree)
     assert tdx.undonate(others[0])
     torch_xla.sync()
+
+
+@pytest.mark.parametrize("where", ["nested", "in an optimizer's state"])
+def test_a_dataclass_is_refused_with_its_path_and_the_fix(dev, where):
+    """The cheap walk (no paths, the common case's) refuses it too, and the
+    message names the path as the path-building walk would."""
+    a, = _fresh(dev, 1)
+    if where == "nested":
+        tree, path = {"cfg": Unregistered(a)}, "tree['cfg']"
+    else:
+        tree, _ = _optimizer(dev, "sgd")
+        first = next(iter(tree.state.values()))
+        first["extra"] = Unregistered(a)
+        path = "optimizer.state[0]['extra']"
+    for call in (tdx.donate, tdx.undonate):
+        with pytest.raises(TypeError) as caught:
+            call(tree)
+        name = call.__name__
+        assert str(caught.value).startswith(f"{name}: {path} is a Unregistered"), caught.value
+        assert "register_dataclass" in str(caught.value)
+    assert not tdx.is_donated(a) and _C.marked_count() == 0

@@ -13,8 +13,8 @@ moment, and every later call runs that executable as it is.  So here each
 compiled graph keeps one executable per *donation pattern* (which of its
 arguments are donated):
 
-* a call commits the marks of its own arguments (the other marks wait for
-  their own execution), like a step barrier commits its device's marks:
+* a call commits the marks of its own arguments but those it only marks
+  (the other marks wait for their own execution), like a step barrier commits its device's marks:
   checked (commit.py), poisoned after the call, verdicts in flight
   (verdicts.py);
 * the first call with a pattern extracts the graph from a pristine copy of
@@ -55,7 +55,7 @@ from .._base.lock import lock
 from .._base.messages import Notices
 from .._base.native import C, Via
 from .._base.sites import user_site
-from .._marking import graph_ops
+from .._marking import graph_ops, marks
 from .._outcomes import failures, poison, verdicts
 from . import commit, executions
 
@@ -93,8 +93,10 @@ class _CompiledGraph:
         on = config.enabled() and xla.aliasing_enabled()
         # Switched off: marks made before wait for the step barrier, which
         # drops them (commit.decide); the graph's own ops donate nothing.
+        # An argument the graph only marks is no candidate: its mark (made
+        # before or by this call) waits for the execution that reads it.
         candidates = [i for i, a in enumerate(args) if on and xla.is_xla_tensor(a)
-                      and C.is_marked(a) and not a.requires_grad]
+                      and C.is_marked(a) and not a.requires_grad and i not in self._carried]
         if self._static is None:  # the first call: learn the graph's own donors
             self._variant(frozenset(candidates), args, on)
         if (self._static or self._carried) and not on:
@@ -209,12 +211,15 @@ def _carry(tensors) -> None:
     with lock:
         for t in tensors:
             if not C.is_marked(t):
-                _mark_graph_op(t, where)
+                # With its version, as eager marks: an in-place update before
+                # the execution that takes it makes it an output, no donor.
+                _mark_graph_op(t, where, marks.mark_version(t))
 
 
-def _mark_graph_op(t, where) -> None:
+def _mark_graph_op(t, where, version=-1) -> None:
     file, line = where
-    C.mark(t, file, line, tuple(t.shape), xla_dtype_name(t.dtype), t.nbytes, Via.GRAPH_OP)
+    C.mark(t, file, line, tuple(t.shape), xla_dtype_name(t.dtype), t.nbytes, Via.GRAPH_OP,
+           version)
 
 
 class _arming:

@@ -65,7 +65,7 @@ from .._outcomes import ownership, poison, report, unused
 from . import graph_ops
 from .checks import check_donatable
 from .marks import mark
-from .walk import BUFFER, HOST_COUNTER, TENSOR, check_root, walk
+from .walk import BUFFER, HOST_COUNTER, TENSOR, walk
 
 __all__ = ["donate", "undonate", "donate_named", "tensors_in"]
 
@@ -121,8 +121,8 @@ def undonate(tree: Any) -> bool | int:
         poison.refuse_consumed([tree])
         with lock:  # never in the middle of a commit
             return C.unmark(tree) is not None
-    check_root("tree", tree, "undonate")  # what donate refuses, undonate does too
-    tensors = tensors_in([("tree", tree)])
+    # What donate refuses, undonate does too.
+    tensors = tensors_in([(_root_label(tree), tree)], call="undonate")
     with lock:
         return sum(C.unmark(t) is not None for t in tensors)
 
@@ -215,10 +215,11 @@ def _checked(path, check, *args):
         ) from None
 
 
-def tensors_in(named_trees, refuse=True) -> list:
+def tensors_in(named_trees, refuse=True, call="donate") -> list:
     """Every distinct tensor of the ``(label, tree)`` pairs, as ``donate``
     would see them (module parameters and buffers, optimizer state), without
-    building paths; ``refuse``: raise what the walk refuses (walk.py).
+    building paths; ``refuse``: raise what the walk refuses (walk.py), worded
+    for ``call``.
 
     >>> t = torch.ones(1)
     >>> tensors_in([("a", [t, t, 3])]) == [t]
@@ -226,7 +227,7 @@ def tensors_in(named_trees, refuse=True) -> list:
     """
     seen, out = set(), []
     for label, tree in named_trees:
-        for _, t, _ in walk(label, tree, paths=False, refuse=refuse):
+        for _, t, _ in walk(label, tree, paths=False, refuse=refuse, call=call):
             if id(t) not in seen:
                 seen.add(id(t))
                 out.append(t)

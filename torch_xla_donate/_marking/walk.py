@@ -48,17 +48,28 @@ HOST_COUNTER = "host counter"  # an optimizer's 0-dim state off the device
 _SCALARS = (bool, int, float, complex, str, bytes, type(None))
 
 
-def walk(label, tree, paths=True, refuse=True):
+def walk(label, tree, paths=True, refuse=True, call="donate"):
     """Yields ``(path, tensor, kind)`` for every tensor of ``tree``, in order,
     a tensor reached twice yielded twice.  ``label`` starts each path;
     ``paths=False`` yields None for paths (cheaper: no key paths built).
-    With ``refuse``, raises the TypeError of the rules above."""
+    With ``refuse``, raises the TypeError of the rules above, worded for
+    ``call``."""
     if refuse:
-        check_root(label, tree)
-    yield from _walk(label, tree, paths, refuse, in_state=False)
+        check_root(label, tree, call)
+    try:
+        yield from _walk(label, tree, paths, call if refuse else None, in_state=False)
+    except _NeedsPath:  # the cheap walk met a refusal: walk again to name it
+        for _ in _walk(label, tree, True, call, in_state=False):
+            pass
+        raise
+
+
+class _NeedsPath(Exception):
+    """The cheap walk (no paths) met a leaf to refuse."""
 
 
 def _walk(label, tree, paths, refuse, in_state):
+    """``walk``'s body; ``refuse`` is the call's name, or None."""
     if paths:
         items = ((label + pytree.keystr(k), leaf)
                  for k, leaf in pytree.tree_flatten_with_path(tree)[0])
@@ -82,10 +93,9 @@ def _walk(label, tree, paths, refuse, in_state):
                     yield from _walk(_join(path, f".state[{i}]"), leaf.state[p], paths,
                                      refuse, in_state=True)
         elif refuse and dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
-            if path is None:  # the cheap walk: the message needs the path
-                for _ in _walk(label, tree, True, refuse, in_state):
-                    pass
-            raise _opaque(path, leaf, "donate")
+            if path is None:
+                raise _NeedsPath()
+            raise _opaque(path, leaf, refuse)
 
 
 def _join(path, tail):
