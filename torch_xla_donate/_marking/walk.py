@@ -48,50 +48,51 @@ HOST_COUNTER = "host counter"  # an optimizer's 0-dim state off the device
 _SCALARS = (bool, int, float, complex, str, bytes, type(None))
 
 
-def walk(label, tree, paths=True, refuse=True, call="donate"):
-    """Yields ``(path, tensor, kind)`` for every tensor of ``tree``, in order,
-    a tensor reached twice yielded twice.  ``label`` starts each path;
-    ``paths=False`` yields None for paths (cheaper: no key paths built).
+def walk(label, tree, paths=True, refuse=True, call="donate") -> list:
+    """``(path, tensor, kind)`` for every tensor of ``tree``, in order, a
+    tensor reached twice listed twice.  ``label`` starts each path;
+    ``paths=False`` gives None for paths (cheaper: no key paths built).
     With ``refuse``, raises the TypeError of the rules above, worded for
     ``call``."""
-    if refuse:
-        check_root(label, tree, call)
+    out = []
     try:
-        yield from _walk(label, tree, paths, call if refuse else None, in_state=False)
+        _walk(label, tree, paths, call if refuse else None, False, out, root=True)
     except _NeedsPath:  # the cheap walk met a refusal: walk again to name it
-        for _ in _walk(label, tree, True, call, in_state=False):
-            pass
+        _walk(label, tree, True, call, False, [], root=True)
         raise
+    return out
 
 
 class _NeedsPath(Exception):
     """The cheap walk (no paths) met a leaf to refuse."""
 
 
-def _walk(label, tree, paths, refuse, in_state):
-    """``walk``'s body; ``refuse`` is the call's name, or None."""
+def _walk(label, tree, paths, refuse, in_state, out, root=False) -> None:
+    """``walk``'s body, appending to ``out``; ``refuse`` is the call's name,
+    or None."""
     if paths:
-        items = ((label + pytree.keystr(k), leaf)
-                 for k, leaf in pytree.tree_flatten_with_path(tree)[0])
+        items = [(label + pytree.keystr(k), leaf)
+                 for k, leaf in pytree.tree_flatten_with_path(tree)[0]]
     else:
-        items = ((None, leaf) for leaf in pytree.tree_leaves(tree))
+        items = [(None, leaf) for leaf in pytree.tree_leaves(tree)]
+    if root and refuse and len(items) == 1 and items[0][1] is tree:
+        check_root(label, tree, refuse)  # a leaf itself: one pytree can look into?
     for path, leaf in items:
         if isinstance(leaf, torch.Tensor):
-            if in_state and leaf.dim() == 0 and leaf.device.type != "xla":
-                yield path, leaf, HOST_COUNTER
+            if not in_state:
+                out.append((path, leaf, TENSOR))
+            elif leaf.dim() == 0 and leaf.device.type != "xla":
+                out.append((path, leaf, HOST_COUNTER))
             else:
-                yield path, leaf, STATE if in_state else TENSOR
+                out.append((path, leaf, STATE))
         elif isinstance(leaf, torch.nn.Module):
-            for name, t in leaf.named_parameters():
-                yield _join(path, f".{name}"), t, PARAMETER
-            for name, t in leaf.named_buffers():
-                yield _join(path, f".{name}"), t, BUFFER
+            out += [(_join(path, f".{name}"), t, PARAMETER) for name, t in leaf.named_parameters()]
+            out += [(_join(path, f".{name}"), t, BUFFER) for name, t in leaf.named_buffers()]
         elif isinstance(leaf, torch.optim.Optimizer):
             params = [p for group in leaf.param_groups for p in group["params"]]
             for i, p in enumerate(params):
                 if p in leaf.state:
-                    yield from _walk(_join(path, f".state[{i}]"), leaf.state[p], paths,
-                                     refuse, in_state=True)
+                    _walk(_join(path, f".state[{i}]"), leaf.state[p], paths, refuse, True, out)
         elif refuse and dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
             if path is None:
                 raise _NeedsPath()
