@@ -14,9 +14,9 @@ compiled graph keeps one executable per *donation pattern* (which of its
 arguments are donated):
 
 * a call commits the marks of its own arguments but those it only marks
-  (the other marks wait for their own execution), like a step barrier commits its device's marks:
-  checked (commit.py), poisoned after the call, verdicts in flight
-  (verdicts.py);
+  (the other marks wait for their own execution), like a step barrier
+  commits its device's marks: checked (commit.py), poisoned after the call,
+  verdicts in flight (verdicts.py);
 * the first call with a pattern extracts the graph from a pristine copy of
   the FX graph with those arguments' flags armed around the bridge's hash and
   warm-up, and disarmed right after (so nothing else can take them); later
