@@ -100,6 +100,7 @@ def test_async_verdict_is_in_flight_until_the_next_barrier(dev):
     r = tdx.last_step_report()
     assert (r.donated, r.in_flight, r.unused) == (1, 1, 0) and not r.settled
     assert "in flight 1" in str(r)
+    assert tdx.summary().totals.in_flight == 1  # the totals too (earlier tests settled)
     with pytest.warns(tdx.UnusedDonationWarning):
         torch_xla.sync(wait=False)
     r = tdx.last_step_report(r.step)
