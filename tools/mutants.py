@@ -12,6 +12,7 @@ removed afterwards (``--keep`` leaves it).
     python tools/mutants.py --list                 # names, files, what each breaks
     python tools/mutants.py --run poison-skip      # one mutant (or several, or --all)
     python tools/mutants.py --all                  # every mutant, one pytest at a time
+    python tools/mutants.py --all --no-native      # without the C++ ones (no rebuilds)
     python tools/mutants.py --baseline poison-skip # its tests on the unmutated copy
 
 Slow (each run starts torch_xla; a C++ mutant rebuilds the extension, about
@@ -127,6 +128,8 @@ def main() -> int:
     parser.add_argument("--baseline", nargs="+", metavar="NAME",
                         help="run these mutants' tests without the mutation (must pass)")
     parser.add_argument("--keep", action="store_true", help="keep the mutated copies")
+    parser.add_argument("--no-native", action="store_true",
+                        help="leave out the C++ mutants (each rebuilds the extension)")
     opts = parser.parse_args()
     by_name = {m["name"]: m for m in MUTANTS}
     if opts.list or not (opts.run or opts.all or opts.baseline):
@@ -139,6 +142,8 @@ def main() -> int:
             print(f"{m['name']:28} {m['file']:42} {m['what']}{flag}")
         return 1 if stale else 0
     names = list(by_name) if opts.all else (opts.run or opts.baseline)
+    if opts.no_native:
+        names = [n for n in names if not by_name.get(n, {"file": ""})["file"].startswith("csrc/")]
     unknown = [n for n in names if n not in by_name]
     if unknown:
         parser.error(f"unknown mutant(s): {', '.join(unknown)} (see --list)")
