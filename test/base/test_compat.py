@@ -68,9 +68,16 @@ def test_a_consumed_carried_tensor_is_refused_before_torch_xla_sees_it(dev):
     tdx.donate_buffer(acc)
     new = acc + 1
     torch_xla.sync()
+    calls = []
+
+    def train_step(x, a):
+        calls.append(x)
+        return model(x).sum(), a + 1
+
     with pytest.raises(tdx.DonatedBufferError):
-        _compat.call_gradient_accumulation(
-            ga.gradient_accumulation, lambda x, a: (model(x).sum(), a + 1), (data,), model, acc)
+        _compat.call_gradient_accumulation(ga.gradient_accumulation, train_step, (data,), model,
+                                           acc)
+    assert calls == [], "torch_xla traced the loop with the consumed tensor"
 
 
 def test_a_value_a_failed_step_lost_is_reported_lost_never_kept(dev, monkeypatch):

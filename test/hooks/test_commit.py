@@ -170,15 +170,40 @@ def test_no_output_of_the_same_size_means_unused(dev):
     assert total.item() == 10.0 and x.cpu().tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
 
 
-def test_in_place_update_after_marking_keeps_the_new_value(dev):
+def _inference_update(dev):
+    """A tensor without a version counter: only its pending value tells."""
+    with torch.inference_mode():
+        t = materialize(torch.ones(16, device=dev))
+    tdx.donate_buffer(t)
+    with torch.inference_mode():
+        t.mul_(5)
+    return t, 5.0
+
+
+def _barrier_update(dev):
+    """torch_xla's in-place function: pending, with the same id and version."""
+    t = materialize(torch.ones(16, device=dev))
+    tdx.donate_buffer(t)
+    xm.optimization_barrier_([t])
+    return t, 1.0
+
+
+def _mul_update(dev):
     t = materialize(torch.ones(16, device=dev))
     tdx.donate_buffer(t)
     t.mul_(5)
+    return t, 5.0
+
+
+@pytest.mark.parametrize("update", [_mul_update, _barrier_update, _inference_update],
+                         ids=["mul_", "optimization_barrier_", "inference tensor"])
+def test_in_place_update_after_marking_keeps_the_new_value(dev, update):
+    t, value = update(dev)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")
+        warnings.simplefilter("error")  # an output, not a dropped donation
         torch_xla.sync(wait=True)
     assert not tdx.is_deleted(t)
-    assert t.cpu().tolist() == [5.0] * 16
+    assert t.cpu().tolist() == [value] * 16
     assert _C.step_stats()["updated_in_place"] == 1
 
 

@@ -203,8 +203,12 @@ def test_a_consumed_input_raises_donated_buffer_error(dev, cached):
     tdx.donate_buffer(p)
     new = p + 1
     torch_xla.sync()
+    value = g.cpu()
+    tdx.donate_buffer(g)
     with pytest.raises(tdx.DonatedBufferError):
         step(p, g)
+    # Refused before anything ran or committed: the other mark waits, as in eager.
+    assert tdx.is_donated(g) and torch.equal(g.cpu(), value)
 
 
 def test_an_input_that_needs_its_gradient_is_left_for_the_step_barrier(dev):

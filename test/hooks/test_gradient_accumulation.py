@@ -236,3 +236,28 @@ def test_only_the_step_it_builds_skips_unreachable_holders(dev):
     assert not tdx.is_deleted(p) and torch.equal(p.cpu(), value)
     loss.backward()  # the copy's buffer is intact
     assert torch.equal(new.cpu(), value * 2) and w.grad is not None
+
+
+def test_a_captured_tensor_donated_in_the_step_it_builds_is_reused(dev):
+    """The other half: the step gradient_accumulation builds holds the
+    buffer of a tensor its loop only captures (a weight read by the
+    closure), one reference no tensor owns; donated there, that tensor is
+    still reused, not dropped as held elsewhere (the example's pattern)."""
+    model, data, target, acc = _setup(dev)
+    w = materialize(torch.randn(32, 32, device=dev))
+    value = w.cpu()
+
+    def step(x, y, acc):
+        out = model(x @ w)
+        return ((out - y) ** 2).mean(), acc + (out**2).sum()
+
+    old_w = w
+    tdx.donate_buffer(w)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tdx.DroppedDonationWarning)
+        loss, acc = gradient_accumulation(step, (data, target), model, acc)
+        w = w * 0.5  # an output of w's size takes its buffer
+        torch_xla.sync()
+        tdx.settle()
+    assert tdx.is_deleted(old_w)
+    assert torch.equal(w.cpu(), value * 0.5) and loss.item() > 0

@@ -97,6 +97,26 @@ def test_a_leaf_a_finished_graph_still_accumulates_into_goes_down_with_it(dev):
         old_leaf.detach() + 1
 
 
+def test_a_companion_of_an_unused_donation_is_given_back_with_it(dev):
+    """The same companion, when no output takes the buffer: the settled
+    verdict lifts its poison too, before anything looks at it."""
+    w = materialize(torch.randn(32, 32, device=dev)).requires_grad_()
+    loss = (w * w).sum()
+    loss.backward()
+    torch_xla.sync()  # the gradient too: no output of w's size in the next step
+    w = w.detach()
+    value = w.cpu()
+    tdx.donate_buffer(w)
+    total = w.sum()  # no output of w's size: the donation goes unused
+    with pytest.warns(tdx.UnusedDonationWarning, match=r"f32\[32,32\]"):
+        torch_xla.sync()
+        tdx.settle()
+    old_leaf = loss.grad_fn.next_functions[0][0].next_functions[0][0].variable
+    assert type(old_leaf) is torch.Tensor, "the companion is still poisoned"
+    assert torch.equal(old_leaf.detach().cpu(), value) and torch.equal(w.cpu(), value)
+    assert torch.allclose(total.cpu(), value.sum())
+
+
 def test_a_grad_slot_is_named_and_taking_the_grad_out_of_it_donates(dev):
     model = torch.nn.Linear(16, 16).to(dev)
     materialize(model.weight)

@@ -100,6 +100,7 @@ def test_async_verdict_is_in_flight_until_the_next_barrier(dev):
     r = tdx.last_step_report()
     assert (r.donated, r.in_flight, r.unused) == (1, 1, 0) and not r.settled
     assert "in flight 1" in str(r)
+    assert tdx.summary().totals.in_flight == 1  # the totals too (earlier tests settled)
     with pytest.warns(tdx.UnusedDonationWarning):
         torch_xla.sync(wait=False)
     r = tdx.last_step_report(r.step)
@@ -108,7 +109,10 @@ def test_async_verdict_is_in_flight_until_the_next_barrier(dev):
 
 
 def test_summary_totals_add_up_over_steps(dev):
-    before = tdx.summary()
+    # Counted from zero, so that every number is checked, not only a
+    # difference (an offset would cancel out).
+    tdx.settle()
+    _C.reset()
     state = materialize(torch.zeros(128, device=dev))
     first = buffer_ptr(state)
     for _ in range(3):
@@ -116,17 +120,19 @@ def test_summary_totals_add_up_over_steps(dev):
         state = state + 1
         torch_xla.sync(wait=False)
     tdx.settle()
-    after = tdx.summary()
     assert buffer_ptr(state) == first  # every step reused the one buffer
-    assert after.steps - before.steps == 3
-    assert after.totals.donated - before.totals.donated == 3
-    assert after.totals.reused - before.totals.reused == 3
-    assert after.totals.reused_bytes - before.totals.reused_bytes == 3 * 512
+    doubled = state * 2
+    torch_xla.sync()  # a step that donates nothing is not counted
+    after = tdx.summary()
+    assert doubled.cpu().eq(6).all()
+    assert after.steps == 3 and len(after.history) == 3
+    assert (after.totals.donated, after.totals.reused) == (3, 3)
+    assert (after.totals.donated_bytes, after.totals.reused_bytes) == (3 * 512, 3 * 512)
     assert after.totals.in_flight == 0
     assert after.history[-1] == tdx.last_step_report()
-    assert [r.step for r in after.history[-3:]] == [after.history[-1].step - 2 + i for i in range(3)]
+    assert [r.step for r in after.history] == [after.history[-1].step - 2 + i for i in range(3)]
     text = str(after)
-    assert f"{after.steps} step(s) donated {after.totals.donated} buffer(s)" in text
+    assert "torch_xla_donate: 3 step(s) donated 3 buffer(s)" in text
     assert str(after.history[-1]) in text
 
 
