@@ -61,7 +61,7 @@ void Bind(py::kwargs hooks) {
       {"donated_type", &Hooks::donated_type},
       {"poison_class_for", &Hooks::poison_class_for},
       {"dispatch_class_for", &Hooks::dispatch_class_for},
-      {"inner_of", &Hooks::inner_of},
+      {"from_functional", &Hooks::from_functional},
       {"donate_buffer_checked", &Hooks::donate_buffer_checked},
   };
   for (auto item : hooks) {

@@ -113,10 +113,18 @@ PyType_Spec kRecordSpec = {
 // times more often.  An Entry is not tracked.  It cannot close a reference
 // cycle: nothing refers back to it (a poisoned tensor refers to its record,
 // never to its entry).  It unpacks and indexes like the pair it stands for.
+//
+// Released at the commit (hooks/commit.cpp): a donor nobody else refers to
+// gives up its tensor (then None) and keeps only its buffer, which is all a
+// verdict reads, so the Python tensor, its functional wrapper and the
+// XLATensor die at the commit, as raw donation's die while tracing, instead
+// of at the next barrier (where torch_xla's walk over the live tensors
+// would meet them first).
 
 struct PyEntry {
   PyObject_HEAD PyObject* tensor;
   PyObject* record;
+  HeldBuffer* buffer;  // set once the tensor was released
 };
 
 PyTypeObject* g_entry_type = nullptr;
@@ -125,6 +133,10 @@ void EntryDealloc(PyObject* self) {
   auto* e = reinterpret_cast<PyEntry*>(self);
   Py_CLEAR(e->tensor);
   Py_CLEAR(e->record);
+  if (e->buffer) {
+    DropBuffer(e->buffer);
+    e->buffer = nullptr;
+  }
   PyTypeObject* type = Py_TYPE(self);
   type->tp_free(self);
   Py_DECREF(type);
@@ -202,7 +214,22 @@ PyObject* NewEntry(PyObject* tensor, PyObject* record) {
   Py_INCREF(record);
   e->tensor = tensor;
   e->record = record;
+  e->buffer = nullptr;
   return o;
+}
+
+bool ReleaseEntryTensor(PyObject* entry, HeldBuffer* buffer) {
+  if (Py_TYPE(entry) != g_entry_type) return false;
+  auto* e = reinterpret_cast<PyEntry*>(entry);
+  if (e->buffer) return false;
+  e->buffer = buffer;
+  Py_INCREF(Py_None);
+  Py_SETREF(e->tensor, Py_None);  // the last reference: frees the donor
+  return true;
+}
+
+const HeldBuffer* EntryBuffer(PyObject* entry) {
+  return Py_TYPE(entry) == g_entry_type ? reinterpret_cast<PyEntry*>(entry)->buffer : nullptr;
 }
 
 bool EntryParts(PyObject* o, PyObject** tensor, PyObject** record) {

@@ -10,6 +10,7 @@
 #include <Python.h>
 
 #include "base/ledger.h"
+#include "lazy/lazy_reads.h"
 
 namespace torch_xla_donate {
 
@@ -30,6 +31,15 @@ PyObject* NewEntry(PyObject* tensor, PyObject* record);
 // The borrowed (tensor, record) of an Entry or of a 2-tuple; false if `o`
 // is neither.
 bool EntryParts(PyObject* o, PyObject** tensor, PyObject** record);
+
+// Lets an Entry's tensor go, keeping only `buffer` (which it takes) for the
+// verdict: the entry's tensor reads as None from then on.  Dropping the
+// tensor may free it, and run its weak references' callbacks.  False (the
+// buffer not taken) if `entry` is no Entry or was released already.
+bool ReleaseEntryTensor(PyObject* entry, HeldBuffer* buffer);
+// The buffer a released Entry keeps, or nullptr (a tuple, an entry holding
+// its tensor).
+const HeldBuffer* EntryBuffer(PyObject* entry);
 
 // A new reference to the `_C.Verdict` member for `v`.
 PyObject* VerdictObject(Verdict v);

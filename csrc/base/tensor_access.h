@@ -32,18 +32,21 @@ namespace torch_xla_donate {
 
 // The callables and types bound at import; see Bind() in module.cpp.
 struct Hooks {
-  PyObject* tensor_type = nullptr;            // torch.Tensor
-  PyObject* set_donor = nullptr;              // (tensor, bool) -> bool
-  PyObject* buffer_deleted = nullptr;         // tensor -> bool
-  PyObject* need_materialization = nullptr;   // [tensor] -> [bool]
-  PyObject* storage_use_count = nullptr;      // storage._cdata -> int
-  PyObject* dtype_info = nullptr;             // dtype -> (xla name, itemsize)
-  PyObject* tensor_id = nullptr;              // tensor -> torch_xla's tensor id
-  PyObject* fast_types = nullptr;             // tuple: exact types of the fast path
-  PyObject* donated_type = nullptr;           // poison._DonatedTensor (the mixin)
-  PyObject* poison_class_for = nullptr;       // type -> its poisoned twin
-  PyObject* dispatch_class_for = nullptr;     // type -> its twin refusing operators
-  PyObject* inner_of = nullptr;               // tensor -> the tensor torch_xla sees
+  PyObject* tensor_type = nullptr;           // torch.Tensor
+  PyObject* set_donor = nullptr;             // (tensor, bool) -> bool
+  PyObject* buffer_deleted = nullptr;        // tensor -> bool
+  PyObject* need_materialization = nullptr;  // [tensor] -> [bool]
+  PyObject* storage_use_count = nullptr;     // storage._cdata -> int
+  PyObject* dtype_info = nullptr;            // dtype -> (xla name, itemsize)
+  PyObject* tensor_id = nullptr;             // tensor -> torch_xla's tensor id
+  PyObject* fast_types = nullptr;            // tuple: exact types of the fast path
+  PyObject* donated_type = nullptr;          // poison._DonatedTensor (the mixin)
+  PyObject* poison_class_for = nullptr;      // type -> its poisoned twin
+  PyObject* dispatch_class_for = nullptr;    // type -> its twin refusing operators
+  // torch._from_functional_tensor (a builtin): a functional wrapper -> the
+  // tensor torch_xla sees.  Called from C++ only for functional tensors,
+  // so no Python code runs while a commit poisons its donors.
+  PyObject* from_functional = nullptr;
   PyObject* donate_buffer_checked = nullptr;  // tensor -> None: donate_buffer's Python half
 
   bool torch_bound() const {
@@ -51,7 +54,7 @@ struct Hooks {
            storage_use_count && dtype_info && tensor_id;
   }
   bool poison_bound() const {
-    return donated_type && poison_class_for && dispatch_class_for && inner_of;
+    return donated_type && poison_class_for && dispatch_class_for && from_functional;
   }
 };
 

@@ -114,6 +114,7 @@ void Disarm(py::list entries) {
   for (size_t i = 0, n = entries.size(); i < n; ++i) {
     PyObject* rec;
     PyObject* t = TensorOf(PyList_GET_ITEM(entries.ptr(), i), &rec);
+    if (t == Py_None) continue;  // released: its flag is on a buffer no tensor holds
     if (SetDonor(t, false) < 0) PyErr_Clear();
   }
 }
@@ -125,23 +126,41 @@ void Disarm(py::list entries) {
 // gives it back if the step then fails.  Only a deletion seen once the step
 // was dispatched is certain (verdicts.py).
 //
-// A donor that nothing but its entry refers to is left as it is: no code can
-// put it into another graph, so its flag (on a buffer that is deleted, or
-// freed with the entry) can arm nothing, and poisoning it would only make
-// freeing it dearer.  The typical loop rebinds its names, and then this
+// A donor that nothing but its entry refers to (no other Python reference,
+// no C++ owner of its TensorImpl) is not poisoned: no code can put it into
+// another graph.  With `release` it is let go right here: the entry keeps
+// only its buffer (the one thing its verdict reads, lazy_reads.h) and the
+// Python tensor, its functional wrapper and the XLATensor die now, as raw
+// donation's die while tracing, rather than with the entry at the next
+// barrier.  Weak references do not keep it: it dies as it is let go.
+// Without `release`, or when its buffer cannot be read natively, the entry
+// keeps it (its flag, on a buffer that is deleted or freed with the entry,
+// can arm nothing).  The typical loop rebinds its names, and then this
 // costs no torch_xla call at all.
 //
 // Never stops half-way: a donor whose poisoning fails (a tensor subclass
 // that changed its class since marking, say) is returned with the error's
 // text, after every other donor was handled; the caller reports it once the
 // commit is whole.  Returns a list of (entry, message).
-py::list DisarmAndPoison(py::list donors) {
+py::list DisarmAndPoison(py::list donors, bool release) {
   RequireBound();
   py::list failed;
   for (size_t i = 0, n = donors.size(); i < n; ++i) {
     PyObject* entry = PyList_GET_ITEM(donors.ptr(), i);
     PyObject* rec;
     PyObject* t = TensorOf(entry, &rec);
+    if (t == Py_None) continue;  // released by an earlier commit's call
+    if (release && Py_REFCNT(t) == 1 && LazyReadsEnabled()) {
+      TensorFacts facts;
+      const int read = Facts(t, &facts, /*with_sizes=*/false);
+      Check(read >= 0);
+      HeldBuffer* buffer =
+          read == 1 && facts.impl_use_count == 1 ? TakeBuffer(ImplAddress(t)) : nullptr;
+      if (buffer) {
+        if (!ReleaseEntryTensor(entry, buffer)) DropBuffer(buffer);  // a tuple: kept
+        continue;
+      }
+    }
     int unreachable = OnlyHeldByItsEntry(t);
     Check(unreachable >= 0);
     if (unreachable) continue;
@@ -152,6 +171,15 @@ py::list DisarmAndPoison(py::list donors) {
     }
   }
   return failed;
+}
+
+// entry_consumed(entry) -> bool: whether the buffer of a released entry
+// (its tensor None) holds no value any more; None for an entry that holds
+// its tensor (ask about the tensor).
+py::object EntryConsumed(py::handle entry) {
+  const HeldBuffer* buffer = EntryBuffer(entry.ptr());
+  if (!buffer) return py::none();
+  return py::bool_(HeldBufferConsumed(buffer));
 }
 
 // Settles in-flight entries: a deleted buffer is CONSUMED; a live one is
@@ -167,7 +195,8 @@ py::tuple SettleEntries(py::list entries, bool certain) {
     PyObject* t = TensorOf(entry, &rec);
     const RecordPtr& record = Unwrap(rec);
     if (record->verdict != Verdict::kInFlight) continue;
-    int deleted = BufferDeleted(t);
+    const HeldBuffer* buffer = EntryBuffer(entry);
+    int deleted = buffer ? HeldBufferConsumed(buffer) : BufferDeleted(t);
     Check(deleted >= 0);
     if (deleted) {
       GlobalLedger().Settle(record, Verdict::kReused);
@@ -187,7 +216,8 @@ void RegisterCommit(PyObject* module) {
   m.def("pending_flags", &PendingFlagsOf, py::arg("tensors"));
   m.def("arm", &Arm, py::arg("donors"));
   m.def("disarm", &Disarm, py::arg("entries"));
-  m.def("disarm_and_poison", &DisarmAndPoison, py::arg("donors"));
+  m.def("disarm_and_poison", &DisarmAndPoison, py::arg("donors"), py::arg("release") = false);
+  m.def("entry_consumed", &EntryConsumed, py::arg("entry"));
   m.def("settle_entries", &SettleEntries, py::arg("entries"), py::arg("certain"));
 }
 

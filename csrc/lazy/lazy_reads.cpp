@@ -165,6 +165,32 @@ bool ReadLazyFacts(uintptr_t address, LazyFacts* out) {
   return false;
 }
 
+struct HeldBuffer {
+  torch::lazy::BackendDataPtr data;
+};
+
+HeldBuffer* TakeBuffer(uintptr_t address) {
+  try {
+    const void* xla_vtable = g_xla_impl_vtable.load(std::memory_order_acquire);
+    if (xla_vtable == nullptr) return nullptr;
+    bool functional = false;
+    c10::TensorImpl* impl = Unwrapped(reinterpret_cast<c10::TensorImpl*>(address), &functional);
+    if (impl == nullptr || VtableOf(impl) != xla_vtable) return nullptr;
+    auto* lazy = *reinterpret_cast<LazyTensor* const*>(reinterpret_cast<const char*>(impl) +
+                                                       kXlaTensorOffset);
+    if (lazy == nullptr) return nullptr;
+    const torch::lazy::BackendDataPtr& handle = lazy->data()->handle;
+    if (!handle) return nullptr;
+    return new HeldBuffer{handle};
+  } catch (...) {
+    return nullptr;
+  }
+}
+
+bool HeldBufferConsumed(const HeldBuffer* buffer) { return !buffer->data->HasValue(); }
+
+void DropBuffer(HeldBuffer* buffer) { delete buffer; }
+
 void SetLazyReadsEnabled(bool on) { g_enabled.store(on, std::memory_order_release); }
 
 bool LazyReadsEnabled() { return g_enabled.load(std::memory_order_acquire); }

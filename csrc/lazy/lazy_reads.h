@@ -80,6 +80,18 @@ bool LearnXlaTensorType(uintptr_t impl, std::string* why);
 // Independent of SetLazyReadsEnabled: the self-test reads before enabling.
 bool ReadLazyFacts(uintptr_t impl, LazyFacts* out);
 
+// A donor's buffer, held without its tensor (hooks/commit.cpp releases a
+// donor nobody else refers to at the commit and keeps only this for its
+// verdict): a heap copy of the tensor's torch::lazy::BackendDataPtr, the
+// same shared_ptr the XLATensor held, so it counts as one holder as the
+// tensor did.  TakeBuffer returns nullptr when the read declines or the
+// tensor holds no handle (the caller keeps the tensor then); never throws.
+struct HeldBuffer;
+HeldBuffer* TakeBuffer(uintptr_t impl);
+// `_is_placecholder` of the held buffer: it holds no value (consumed).
+bool HeldBufferConsumed(const HeldBuffer* buffer);
+void DropBuffer(HeldBuffer* buffer);
+
 // The process-wide switch the callers test (LazyReadsEnabled) before
 // reading; off until the self-test passes.
 void SetLazyReadsEnabled(bool on);

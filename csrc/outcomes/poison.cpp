@@ -78,8 +78,20 @@ int Poison(PyObject* t, PyObject* record) {
   // functionalization unwrapped it; else `t` itself.
   // That one first: once it refuses operators the value is safe, whatever
   // happens to the wrapper the user holds.
-  PyObject* inner = PyObject_CallOneArg(g_hooks.inner_of, t);
-  if (!inner) return -1;
+  // (poison.py's `inner`, without its Python frame: the Functionalize key
+  // read in place, torch's builtin called only for a functional tensor.)
+  TensorFacts facts;
+  if (Facts(t, &facts, /*with_sizes=*/false) != 1) {
+    PyErr_SetString(PyExc_TypeError, "expected a torch.Tensor");
+    return -1;
+  }
+  PyObject* inner = t;
+  if (facts.is_functional) {
+    inner = PyObject_CallOneArg(g_hooks.from_functional, t);
+    if (!inner) return -1;
+  } else {
+    Py_INCREF(inner);
+  }
   int rc = TagAndSwapClass(inner, r, /*refuses_operators=*/true);
   const uintptr_t impl = rc == 0 ? ImplAddress(inner) : 0;
   if (rc == 0 && impl == 0) rc = -1;

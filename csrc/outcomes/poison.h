@@ -4,8 +4,8 @@
 // test/outcomes/test_poison_twins.py.
 //
 // The poisoned twin classes come from poison.py through the bound hooks
-// (`poison_class_for`, `dispatch_class_for`, `inner_of`): Python owns the
-// classes, this file only applies them.
+// (`poison_class_for`, `dispatch_class_for`, once per class): Python owns
+// the classes, this file only applies them.
 #pragma once
 
 #include <Python.h>

@@ -230,7 +230,10 @@ def test_weakref_to_a_donated_tensor_sees_the_poison(dev):
         ref().sum()
 
 
-def test_a_donor_only_a_weakref_reaches_is_still_poisoned(dev):
+def test_a_donor_only_a_weakref_reaches_is_never_usable(dev):
+    # The commit lets such a donor go (test/outcomes/test_release.py): the
+    # weak reference is dead right after the barrier.  Were it kept alive
+    # (several devices, native reads off), it would be poisoned.
     import weakref
     p, g, ptr = _functional_update(dev, n=8)
     ref = weakref.ref(p)
@@ -238,8 +241,10 @@ def test_a_donor_only_a_weakref_reaches_is_still_poisoned(dev):
     del p  # only the weakref (and the plugin) can reach it now
     torch_xla.sync()
     assert buffer_ptr(new) == ptr
-    with pytest.raises(tdx.DonatedBufferError):
-        ref().sum()
+    left = ref()
+    if left is not None:
+        with pytest.raises(tdx.DonatedBufferError):
+            left.sum()
 
 
 def test_a_donor_an_autograd_node_holds_is_still_poisoned(dev):

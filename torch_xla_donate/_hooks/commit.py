@@ -177,14 +177,18 @@ def finish(device, donors, notices, certain: bool) -> None:
     the execution's donor set is fixed: clear the flags, poison the donors
     the user still holds and their companions, leave the verdicts in flight.
 
-    A donor nothing but its entry refers to is skipped: no code can put it
-    into another graph, and its buffer goes with it (csrc/hooks/commit.cpp).  A donor
+    A donor nothing but its entry refers to is not poisoned: no code can put
+    it into another graph.  With one device (and native reads on) it is let
+    go here, its entry keeping only its buffer for the verdict (the tensor
+    reads None from then on), so that it dies at the commit as raw
+    donation's die while tracing (csrc/hooks/commit.cpp).  With several
+    devices the entry keeps it: verdicts are split by the tensor's device.  A donor
     that cannot be poisoned does not stop the others: a ``TypeError`` naming
     its class is held in ``notices`` and raised once the commit is whole
     (the step's results are intact; operators on the tensor still raise
     ``DonatedBufferError``, which the tensor torch_xla computes with carries).
     """
-    failed = C.disarm_and_poison(donors)
+    failed = C.disarm_and_poison(donors, release=xla.local_device_count() == 1)
     if failed:
         notices.fail(_unpoisoned_error(failed))
     if ownership.companions_by_record:

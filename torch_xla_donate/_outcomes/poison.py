@@ -342,4 +342,4 @@ def donated_in(args, kwargs):
 
 
 C.bind(donated_type=_DonatedTensor, poison_class_for=_poison_class_for,
-        dispatch_class_for=_dispatch_class_for, inner_of=inner)
+        dispatch_class_for=_dispatch_class_for, from_functional=torch._from_functional_tensor)

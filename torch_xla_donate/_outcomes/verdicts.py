@@ -43,7 +43,9 @@ from . import devices, failures, ownership, poison, unused
 __all__ = ["after_commit", "settle", "settle_one", "abandon", "failed", "settled_listeners",
            "notify_settled"]
 
-# (tensor, record) C.Entry of committed donations whose verdict is not known yet.
+# (tensor, record) C.Entry of committed donations whose verdict is not known
+# yet; the tensor is None once the commit released it (commit.finish): the
+# entry then keeps only its buffer, which is all a verdict reads.
 _in_flight = []
 
 # Called with no argument whenever verdicts may have been settled, so that a
@@ -87,15 +89,24 @@ def failed(entries) -> None:
     kept, quietly (the failure is the user's news) -- unless torch_xla lost
     the buffer with the failed step (torch_xla 2.7 does when a step fails to
     compile): then LOST, and the tensor refuses use like a consumed one."""
-    for t, record in entries:
+    for entry in entries:
+        t, record = entry
         if record.verdict != C.Verdict.IN_FLIGHT:
             continue
-        if reads.is_consumed(t):
+        if _consumed(entry):
             C.settle(record, C.Verdict.LOST)
-            if not poison.is_poisoned(t):
+            if t is not None and not poison.is_poisoned(t):
                 poison.poison(t, record)
         else:
             _fail(t, record)
+
+
+def _consumed(entry) -> bool:
+    """Whether the buffer of ``entry`` is gone: read from the buffer a
+    released entry keeps (its tensor is None: the commit let it go), else
+    from its tensor."""
+    consumed = C.entry_consumed(entry)
+    return reads.is_consumed(entry[0]) if consumed is None else consumed
 
 
 def _settle(entries, certain: bool) -> list:
@@ -139,7 +150,9 @@ def settle_one(t, record) -> None:
             return  # settled by a barrier while we waited
         # The entry holds the tensor the user has: ``t`` may be the tensor
         # torch_xla sees behind it, which an operator's dispatch hands us.
-        held = next((e[0] for e in _in_flight if e[1].id == record.id), t)
+        # (A released entry's tensor is None: nobody held it, so ``t`` is a
+        # companion, ownership.py.)
+        held = next((e[0] for e in _in_flight if e[1].id == record.id and e[0] is not None), t)
         if failures.in_failed_step(record):
             failed([(held, record)])
         elif reads.is_consumed(t):
@@ -201,11 +214,13 @@ def in_flight_count() -> int:
 
 def _unuse(t, record) -> None:
     C.settle(record, C.Verdict.UNUSED)
-    poison.unpoison(t)
+    if t is not None:  # None: released at the commit, never poisoned
+        poison.unpoison(t)
 
 
 def _fail(t, record) -> None:
     """An in-flight donation whose step failed: it keeps its value, quietly
     (the step's error is the user's news, not an unused donation)."""
     C.settle(record, C.Verdict.STEP_FAILED)
-    poison.unpoison(t)
+    if t is not None:
+        poison.unpoison(t)
