@@ -96,10 +96,11 @@ _CPP_HOLDERS = (
 _SAME_STEP = (
     "it shares its device buffer with {holder}, a copy made from it in this step "
     "(load_state_dict, copy_, t.to(device, copy=True), torch.tensor(t), x[...] = t, or a "
-    ".clone()) that the step would back with this buffer: donating it would destroy the "
-    "copy. Make the copy with .clone() and run a step (torch_xla.sync()) before the one "
-    "that donates: the step gives a clone a buffer of its own (the other copies keep "
-    "sharing their source's)"
+    ".clone() or copy.deepcopy) that the step would back with this buffer: donating it would "
+    "destroy the copy. Make the copy with .clone() (copy.deepcopy for a module) and run a "
+    "step (torch_xla.sync()) before the one that donates its source: the step gives a clone "
+    "a buffer of its own. For load_state_dict, load a state_dict cloned before that step "
+    "({{k: v.clone() for k, v in sd.items()}}); a plain copy keeps sharing its source's buffer"
 )
 
 
