@@ -99,8 +99,8 @@ _SAME_STEP = (
     ".clone() or copy.deepcopy) that the step would back with this buffer: donating it would "
     "destroy the copy. Make the copy with .clone() (copy.deepcopy for a module) and run a "
     "step (torch_xla.sync()) before the one that donates its source: the step gives a clone "
-    "a buffer of its own. For load_state_dict, load a state_dict cloned before that step "
-    "({{k: v.clone() for k, v in sd.items()}}); a plain copy keeps sharing its source's buffer"
+    "a buffer of its own. For load_state_dict, load a state_dict whose tensors were cloned "
+    "before that step; a plain copy keeps sharing its source's buffer"
 )
 
 
