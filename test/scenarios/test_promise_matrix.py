@@ -321,6 +321,12 @@ def _copied_in_the_step(kind, after_marking):
     return make
 
 
+# Under SPMD a copy into another tensor (copy_, x[...] = t, load_state_dict)
+# is an xla::custom_sharding op, computed into a buffer of its own: it holds
+# nothing (raw donation keeps its value), so it is no holder there.
+_COPY_KINDS = [k for k in COPIES
+               if not (SPMD and k in ("copy_", "x[...] = t", "load_state_dict"))]
+
 HOLDERS = {
     "clone read, source donated": lambda p: _clone_read(p, False),
     "clone read, clone donated": lambda p: _clone_read(p, True),
@@ -328,7 +334,7 @@ HOLDERS = {
     "_replace_xla_tensor, source donated": lambda p: _replaced(p, True),
     "copy held by autograd": lambda p: _held_by_autograd(p, None),
     **{f"{kind} in the step, {when} marking": _copied_in_the_step(kind, when == "after")
-       for kind in COPIES for when in ("before", "after")},
+       for kind in _COPY_KINDS for when in ("before", "after")},
 }
 # Holders only C++ keeps: the _XLAC path's Python search cannot see them.
 CPP_ONLY = {"copy held by autograd"}
