@@ -45,8 +45,8 @@ def child(n: int, rounds: int, block: int) -> dict:
     import torch_xla.core.xla_model as xm
 
     import torch_xla_donate as tdx
-    from torch_xla_donate._base import xla as _xla
     from torch_xla_donate._base import arena
+    from torch_xla_donate._base import xla as _xla
     from torch_xla_donate._outcomes import sharing
 
     dev = torch_xla.device()
