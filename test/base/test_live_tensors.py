@@ -88,6 +88,17 @@ print("IN USE:", arena.decide_on([t]))
 print("STATE:", arena.state())
 print("SUMMARY:", [l for l in str(tdx.summary()).splitlines() if "registry" in l][0])
 print("METRICS:", tdx.metrics_report().split("LiveTensorRegistry\\n  Value: ")[1].splitlines()[0])
+# A copy made in the donating step keeps its value on either path.
+value = t.cpu()
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    tdx.donate_buffer(t)
+    c = t.to(dev, copy=True)
+    new = t * 2
+    torch_xla.sync()
+    tdx.settle()
+dropped = [w for w in caught if issubclass(w.category, tdx.DroppedDonationWarning)]
+print("KEPT:", torch.equal(c.cpu(), value) and torch.equal(t.cpu(), value), len(dropped))
 """
 
 
@@ -106,12 +117,13 @@ GUARDS = {
 
 
 @pytest.mark.parametrize("guard", list(GUARDS))
-def test_each_guard_leaves_the_walk_off_and_says_why(guard):
+def test_each_guard_leaves_the_walk_off_says_why_and_values_hold(guard):
     setup, env, why = GUARDS[guard]
     out = _guarded(setup, env)
     assert out["IN USE"] == "False"
     assert out["STATE"].startswith("off (") and why in out["STATE"], out["STATE"]
     assert out["SUMMARY"].endswith(out["STATE"]) and out["METRICS"] == out["STATE"]
+    assert out["KEPT"] == "True 1"  # the Python search stood in for the walk
 
 
 def test_the_native_guard_refuses_an_object_of_another_type(walk):
@@ -130,3 +142,4 @@ def test_in_use_by_default():
     out = _guarded()
     assert out["IN USE"] == "True" and out["STATE"] == "in use"
     assert out["SUMMARY"].endswith("walk: in use") and out["METRICS"] == "in use"
+    assert out["KEPT"] == "True 1"
