@@ -27,6 +27,7 @@ BENCHMARKS = {
     "instructions": ("bench_instructions.py", [], ["--tensors", "50", "--steps", "2"]),
     "reads": ("bench_reads.py", [], ["--calls", "300"]),
     "crossings": ("bench_crossings.py", [], ["--steps", "2"]),
+    "registry": ("bench_registry.py", [], ["--rounds", "5"]),
 }
 # Tools a benchmark needs beyond Python: without them it is skipped, and says so.
 NEEDS = {"instructions": "valgrind", "reads": "valgrind"}

@@ -113,19 +113,27 @@ def reads_path(request, dev, monkeypatch):
     """Runs a test once with native reads and once with the ``_XLAC`` twin
     (as ``TORCH_XLA_DONATE_NATIVE_READS=0`` or a failed self-test leaves
     them), in Python (``reads``) and in C++ (the hot path tests
-    ``LazyReadsEnabled``) alike.  Yields the path's name."""
+    ``LazyReadsEnabled``) alike; the walk of live tensors is on with native
+    reads and off with ``_XLAC`` reads.  Yields the path's name."""
     import torch
+    import torch_xla
 
-    from torch_xla_donate._base import reads
+    from torch_xla_donate._base import arena, reads
     from torch_xla_donate._base.native import C
 
-    reads.tensor_id(torch.ones(2, device=dev) + 0)  # the first read decides the path
+    sample = torch.ones(2, device=dev) + 0
+    torch_xla.sync()
+    reads.tensor_id(sample)  # the first read decides the path
     was = C.lazy_enabled()
     if request.param == "xlac":
+        # The walk of live tensors (_base/arena.py) is off with native reads.
         monkeypatch.setattr(reads, "_why_off", "forced by a test")
         C.lazy_set_enabled(False)
+        assert not arena.in_use()
     elif reads.path() != "native reads":
         pytest.fail(f"native reads are off in this process: {reads.path()}")
+    elif not arena.decide_on([sample]):
+        pytest.fail(f"the live-tensor walk is off in this process: {arena.state()}")
     try:
         yield request.param
     finally:

@@ -64,8 +64,7 @@ def _assert_next_step_consumes(t):
 
 def test_configure_returns_the_previous_values_and_restores_them():
     before = tdx.configure()
-    assert before == {"strict": config.strict(), "enabled": config.enabled(),
-                      "check_sharing": config.check_sharing()}
+    assert before == {"strict": config.strict(), "enabled": config.enabled()}
     flipped = {name: not value for name, value in before.items()}
     previous = tdx.configure(**flipped)
     assert previous == before
@@ -75,12 +74,21 @@ def test_configure_returns_the_previous_values_and_restores_them():
 
 
 @pytest.mark.parametrize("bad", [1, 0, "yes", None.__class__, [True]])
-@pytest.mark.parametrize("name", ["strict", "enabled", "check_sharing"])
+@pytest.mark.parametrize("name", ["strict", "enabled"])
 def test_configure_refuses_anything_but_a_bool(name, bad):
     before = tdx.configure()
     with pytest.raises(TypeError, match=f"configure\\({name}=...\\) expects True or False"):
         tdx.configure(**{name: bad})
     assert tdx.configure() == before
+
+
+@pytest.mark.parametrize("value", [True, False, "yes"])
+def test_check_sharing_is_retired_accepted_and_ignored(value):
+    """Ownership is always checked (sharing.py): the old switch changes nothing."""
+    before = tdx.configure()
+    with pytest.warns(DeprecationWarning, match="check_sharing=...\\) is retired and ignored"):
+        previous = tdx.configure(check_sharing=value)
+    assert previous == before == tdx.configure() and "check_sharing" not in previous
 
 
 def test_configure_takes_keywords_only():
@@ -293,9 +301,9 @@ print("usable:", "consumed" if tdx.is_deleted(p) else "kept", kinds, "new", new.
 ENV_CASES = {
     "strict": {"TORCH_XLA_DONATE_STRICT": "1", "TORCH_XLA_DONATE_DISABLE": "0"},
     "disable": {"TORCH_XLA_DONATE_DISABLE": "true", "TORCH_XLA_DONATE_STRICT": "yes"},
-    "zero": {"TORCH_XLA_DONATE_STRICT": "0", "TORCH_XLA_DONATE_DISABLE": "0",
-             "TORCH_XLA_DONATE_CHECK_SHARING": "0"},
-    "check sharing": {"TORCH_XLA_DONATE_CHECK_SHARING": "on"},
+    "zero": {"TORCH_XLA_DONATE_STRICT": "0", "TORCH_XLA_DONATE_DISABLE": "0"},
+    "check sharing": {"TORCH_XLA_DONATE_CHECK_SHARING": "on",
+                      "PYTHONWARNINGS": "always::DeprecationWarning"},
 }
 
 
@@ -312,19 +320,20 @@ def probes():
         out, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, f"{name}:\n{out}\n{err}"
         results[name] = {line.split(":")[0].split()[0]: line for line in out.splitlines()}
+        results[name]["stderr"] = err
     return results
 
 
 def test_env_strict_turns_the_warning_into_an_error(probes):
     lines = probes["strict"]
-    assert "{'strict': True, 'enabled': True, 'check_sharing': False}" in lines["config"]
+    assert "{'strict': True, 'enabled': True}" in lines["config"]
     assert "unusable: UnusedDonationError [] x [0.0, 1.0, 2.0] marked 0" in lines["unusable"]
     assert "usable: consumed [] new [2.0, 2.0, 2.0, 2.0]" in lines["usable"]
 
 
 def test_env_disable_switches_donation_off_with_one_warning(probes):
     lines = probes["disable"]
-    assert "{'strict': True, 'enabled': False, 'check_sharing': False}" in lines["config"]
+    assert "{'strict': True, 'enabled': False}" in lines["config"]
     # Disabled wins: nothing is marked, so nothing can be unusable either.
     assert "unusable: no error ['DonationDisabledWarning'] x [0.0, 1.0, 2.0] marked 0" in lines["unusable"]
     assert "usable: kept [] new [2.0, 2.0, 2.0, 2.0]" in lines["usable"]
@@ -332,14 +341,15 @@ def test_env_disable_switches_donation_off_with_one_warning(probes):
 
 def test_env_zero_leaves_the_defaults(probes):
     lines = probes["zero"]
-    assert "{'strict': False, 'enabled': True, 'check_sharing': False}" in lines["config"]
+    assert "{'strict': False, 'enabled': True}" in lines["config"]
     assert "unusable: no error ['UnusedDonationWarning'] x [0.0, 1.0, 2.0] marked 0" in lines["unusable"]
     assert "usable: consumed [] new [2.0, 2.0, 2.0, 2.0]" in lines["usable"]
 
 
-def test_env_check_sharing_switches_the_full_check_on(probes):
+def test_env_check_sharing_is_retired_and_warned(probes):
     lines = probes["check sharing"]
-    assert "{'strict': False, 'enabled': True, 'check_sharing': True}" in lines["config"]
+    assert "{'strict': False, 'enabled': True}" in lines["config"]
+    assert "TORCH_XLA_DONATE_CHECK_SHARING is retired and ignored" in lines["stderr"]
     assert "usable: consumed [] new [2.0, 2.0, 2.0, 2.0]" in lines["usable"]
 
 

@@ -3,11 +3,11 @@ donation never destroys a tensor that was not donated.
 
 torch_xla backs some copies with their source's device buffer, also after a
 barrier; donating either side would destroy the other.  With native reads
-both sides are seen from the buffer's holder count; on the ``_XLAC`` path
-the source of such a copy is seen (its buffer is filed under the copy) and
-the copy itself with ``configure(check_sharing=True)``.  A copy made from a
-marked tensor in the same step is seen with ``check_sharing`` on both
-paths.  Each test runs on both reader paths (the ``reads_path`` fixture).
+both sides are seen from the buffer's holder count, and a copy made from a
+marked tensor in the same step by the walk of torch_xla's live tensors; on
+the ``_XLAC`` path every donor's buffer is compared with those of all live
+tensors at every barrier that donates.  Each test runs on both reader paths
+(the ``reads_path`` fixture).
 Each case checks the ground truth: the other tensor keeps its value, and
 the donation is dropped with a warning that names it and says what to do.
 """
@@ -17,52 +17,10 @@ import pytest
 import torch
 import torch_xla
 import torch_xla.core.xla_model as xm
-from helpers import materialize
+from helpers import COPIES, materialize
 
 import torch_xla_donate as tdx
 from torch_xla_donate._outcomes import sharing
-
-
-def _copy_(w):
-    return torch.empty_like(w).copy_(w)
-
-
-def _to_copy(w):
-    return w.to(w.device, copy=True)
-
-
-def _tensor(w):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch's advice to use clone()
-        return torch.tensor(w)
-
-
-def _setitem(w):
-    x = torch.zeros_like(w)
-    x[...] = w
-    return x
-
-
-def _load_state_dict(w):
-    source = torch.nn.Linear(8, 8, bias=False).to(w.device)
-    source.weight.data = w
-    target = torch.nn.Linear(8, 8, bias=False).to(w.device)
-    target.load_state_dict(source.state_dict())
-    return target.weight
-
-
-COPIES = {"copy_": _copy_, "to(copy=True)": _to_copy, "torch.tensor": _tensor,
-          "x[...] = t": _setitem, "load_state_dict": _load_state_dict}
-
-
-@pytest.fixture
-def check_sharing():
-    def switch(on):
-        previous.update(tdx.configure(check_sharing=on))
-    previous = {}
-    yield switch
-    if previous:
-        tdx.configure(**previous)
 
 
 def _donate_and_step(t):
@@ -119,10 +77,9 @@ def test_a_target_network_copied_with_load_state_dict_is_named_and_kept(dev, rea
 def test_a_source_whose_copy_is_gone_is_donated(dev, monkeypatch, reads_path):
     """The copy died: nothing else holds the buffer, so the donation goes
     ahead.  Native reads see it from the buffer's count, without looking for
-    holders; the ``_XLAC`` path looks for that dead owner once, not at every
-    step."""
+    holders; the ``_XLAC`` path searches at every barrier that donates."""
     w = materialize(torch.randn(8, 8, device=dev))
-    c = _copy_(w)
+    c = COPIES["copy_"](w)
     torch_xla.sync()
     del c
     looks = []
@@ -133,7 +90,7 @@ def test_a_source_whose_copy_is_gone_is_donated(dev, monkeypatch, reads_path):
     assert tdx.is_deleted(w) and not dropped and looks == looked
     # Undonated twice in a row (no output can take it): still one look.
     v = materialize(torch.randn(8, 8, device=dev))
-    c = _copy_(v)
+    c = COPIES["copy_"](v)
     torch_xla.sync()
     del c
     for _ in range(2):  # warned once: the same line and shape (_outcomes/unused.py)
@@ -144,15 +101,14 @@ def test_a_source_whose_copy_is_gone_is_donated(dev, monkeypatch, reads_path):
             torch_xla.sync()
             tdx.settle()
         assert tdx.summary().totals.unused == before + 1 and not tdx.is_deleted(v)
-    assert looks == looked * 2
+    assert looks == looked * 3
 
 
 @pytest.mark.parametrize("case", ["the copy", "a copy made after marking"])
-def test_check_sharing_sees_what_the_source_does_not_say(dev, check_sharing, case, reads_path):
-    check_sharing(True)
+def test_the_copy_and_a_copy_made_after_marking_are_seen(dev, case, reads_path):
     w = materialize(torch.randn(8, 8, device=dev))
     if case == "the copy":
-        c = _copy_(w)
+        c = COPIES["copy_"](w)
         torch_xla.sync()
         keep, donor = w, c
     else:
@@ -162,7 +118,7 @@ def test_check_sharing_sees_what_the_source_does_not_say(dev, check_sharing, cas
         warnings.simplefilter("always")
         tdx.donate_buffer(donor)
         if keep is None:
-            keep = _copy_(w)  # a copy of the marked tensor, since the barrier
+            keep = COPIES["copy_"](w)  # a copy of the marked tensor, since the barrier
         new = donor * 2
         torch_xla.sync()
         xm.wait_device_ops()
@@ -174,21 +130,18 @@ def test_check_sharing_sees_what_the_source_does_not_say(dev, check_sharing, cas
     assert torch.equal(new.cpu(), value * 2)
 
 
-def test_check_sharing_donates_what_nothing_shares(dev, check_sharing, reads_path):
-    check_sharing(True)
+def test_what_nothing_shares_is_donated(dev, reads_path):
     p = materialize(torch.randn(8, 8, device=dev))
     other = materialize(torch.randn(8, 8, device=dev))
     new, dropped = _donate_and_step(p)
     assert tdx.is_deleted(p) and not dropped and not tdx.is_deleted(other)
 
 
-@pytest.mark.parametrize("checked", [True, False], ids=["check_sharing", "default"])
-def test_donors_of_one_step_may_share_a_buffer(dev, check_sharing, reads_path, checked):
+def test_donors_of_one_step_may_share_a_buffer(dev, reads_path):
     """Both sides donated together: nobody else holds the buffer, so it is
     donated and both are poisoned."""
-    check_sharing(checked)
     w = materialize(torch.randn(8, 8, device=dev))
-    c = _copy_(w)
+    c = COPIES["copy_"](w)
     torch_xla.sync()
     tdx.donate([w, c])
     new = w * 2 + 1
@@ -237,7 +190,7 @@ def test_owner_suspects_cannot_tell_which_of_a_shared_pair_owns_it(dev, native, 
 
     monkeypatch.setattr(xla, "OWNER_QUERY_SLICE", 3)
     w = materialize(torch.randn(8, 8, device=dev))
-    c = _to_copy(w)
+    c = COPIES["to(copy=True)"](w)
     others = [materialize(torch.randn(8, 8, device=dev)) for _ in range(4)]
     torch_xla.sync()
     got = xla.owner_suspects([others[0], w, c] + others[1:], native=native)
@@ -250,7 +203,7 @@ def test_owner_suspects_twins_agree_on_a_long_list(dev):
     from torch_xla_donate._base import xla
 
     ts = [materialize(torch.randn(4, device=dev)) for _ in range(3 * xla.OWNER_QUERY_SLICE + 7)]
-    copies = [_copy_(ts[i]) for i in (0, xla.OWNER_QUERY_SLICE, len(ts) - 1)]
+    copies = [COPIES["copy_"](ts[i]) for i in (0, xla.OWNER_QUERY_SLICE, len(ts) - 1)]
     torch_xla.sync()
     native = xla.owner_suspects(ts)
     assert native == xla.owner_suspects(ts, native=False)

@@ -11,7 +11,9 @@ Promises (one test function each):
 * a buffer another tensor holds is never donated (dropped, named, both
   values kept): a clone read before its first step, a tensor torch_xla's
   ``_replace_xla_tensor`` made share one XLA tensor, a copy only an autograd
-  graph holds;
+  graph holds, a copy made from the donor in the donating step (each way
+  torch_xla copies, before and after marking), on both reader paths (the
+  ``_XLAC`` path searches in Python and sees no holder only C++ keeps);
 * a step's report settles: nothing left in flight, every donation counted
   once;
 * values equal those of the same loop without donation, bit for bit.
@@ -38,7 +40,7 @@ import pytest
 import torch
 import torch_xla
 import torch_xla.core.xla_model as xm
-from helpers import run_python
+from helpers import COPIES, run_python
 
 import torch_xla_donate as tdx
 
@@ -306,17 +308,46 @@ def _held_by_autograd(p, _):
     return p, check
 
 
+def _copied_in_the_step(kind, after_marking):
+    """A copy made from p in the donating step, before or after p is marked
+    (the step marks it again: no change): its IR value is p's device data,
+    and the barrier backs it with p's buffer."""
+    def make(p):
+        value = p.cpu()
+        if after_marking:
+            tdx.donate_buffer(p)
+        c = COPIES[kind](p)
+        return p, lambda: torch.equal(c.cpu(), value)
+    return make
+
+
+# Under SPMD a copy into another tensor (copy_, x[...] = t, load_state_dict)
+# is an xla::custom_sharding op, computed into a buffer of its own: it holds
+# nothing (raw donation keeps its value), so it is no holder there.
+_COPY_KINDS = [k for k in COPIES
+               if not (SPMD and k in ("copy_", "x[...] = t", "load_state_dict"))]
+
 HOLDERS = {
     "clone read, source donated": lambda p: _clone_read(p, False),
     "clone read, clone donated": lambda p: _clone_read(p, True),
     "_replace_xla_tensor, target donated": lambda p: _replaced(p, False),
     "_replace_xla_tensor, source donated": lambda p: _replaced(p, True),
     "copy held by autograd": lambda p: _held_by_autograd(p, None),
+    **{f"{kind} in the step, {when} marking": _copied_in_the_step(kind, when == "after")
+       for kind in _COPY_KINDS for when in ("before", "after")},
 }
+# Holders only C++ keeps: the _XLAC path's Python search cannot see them.
+CPP_ONLY = {"copy held by autograd"}
+# Under SPMD the Python search looks at nothing (torch_xla crashes asking
+# about a sharded buffer still computing): native reads only.
+READS_PATHS = ["native"] if SPMD else ["native", "xlac"]
 
 
-@pytest.mark.parametrize("holder", list(HOLDERS))
-def test_a_buffer_another_tensor_holds_is_never_donated(context, dev, holder):
+@pytest.mark.parametrize(("holder", "reads_path"),
+                         [(h, r) for h in HOLDERS for r in READS_PATHS
+                          if not (r == "xlac" and h in CPP_ONLY)],
+                         indirect=["reads_path"])
+def test_a_buffer_another_tensor_holds_is_never_donated(context, dev, holder, reads_path):
     p, g, x = _state(dev)
     donor, other_kept = HOLDERS[holder](p)
     value = donor.cpu()

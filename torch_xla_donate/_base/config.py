@@ -9,11 +9,10 @@ Both can be set by environment variable (read at import) or by
 * ``TORCH_XLA_DONATE_DISABLE=1`` / ``configure(enabled=False)``: for
   debugging, ``donate_buffer`` checks its argument and then does nothing,
   warning once.  Nothing is donated or poisoned.
-* ``TORCH_XLA_DONATE_CHECK_SHARING=1`` / ``configure(check_sharing=True)``:
-  every commit compares the donors' device buffers with those of all live
-  tensors, to see copies torch_xla backs with a donor's buffer that the
-  always-on check cannot (sharing.py); costs a walk of the live objects per
-  step that donates.
+
+Retired: ``configure(check_sharing=...)`` and ``TORCH_XLA_DONATE_CHECK_SHARING``
+are accepted and ignored with a ``DeprecationWarning``: who else holds a
+donor's buffer is always checked (_outcomes/sharing.py).
 
 >>> import torch_xla_donate as tdx
 >>> old = tdx.configure(strict=True)
@@ -22,8 +21,9 @@ True
 """
 import os
 import threading
+import warnings
 
-__all__ = ["configure", "strict", "enabled", "check_sharing"]
+__all__ = ["configure", "strict", "enabled"]
 
 _lock = threading.Lock()
 
@@ -35,8 +35,16 @@ def _env_flag(name: str) -> bool:
 _state = {
     "strict": _env_flag("TORCH_XLA_DONATE_STRICT"),
     "enabled": not _env_flag("TORCH_XLA_DONATE_DISABLE"),
-    "check_sharing": _env_flag("TORCH_XLA_DONATE_CHECK_SHARING"),
 }
+
+_CHECK_SHARING_RETIRED = (
+    "{what} is retired and ignored: torch_xla_donate always checks who else holds a "
+    "donated buffer (copies made in the step included) and keeps the donation when another "
+    "tensor does. Remove it."
+)
+if "TORCH_XLA_DONATE_CHECK_SHARING" in os.environ:
+    warnings.warn(_CHECK_SHARING_RETIRED.format(what="TORCH_XLA_DONATE_CHECK_SHARING"),
+                  DeprecationWarning, stacklevel=2)
 
 
 # Called with no argument after ``configure`` changed a switch (the step
@@ -45,16 +53,15 @@ changed_listeners = []
 
 
 def configure(*, strict: bool | None = None, enabled: bool | None = None,
-              check_sharing: bool | None = None) -> dict:
+              check_sharing=None) -> dict:
     """Sets the switches given; None leaves one as it is.
 
     Args:
       strict: unusable donations raise ``UnusedDonationError`` instead of
         warning.
       enabled: False switches donation off (marking checks and does nothing).
-      check_sharing: compare every donor with all live tensors at each
-        commit (sharing.py), to see every copy torch_xla backs with a
-        donor's buffer.
+      check_sharing: retired: accepted and ignored with a
+        ``DeprecationWarning`` (ownership is always checked).
 
     Returns:
       The previous values, so ``configure(**previous)`` restores them.
@@ -62,7 +69,10 @@ def configure(*, strict: bool | None = None, enabled: bool | None = None,
     Raises:
       TypeError: a value is not True, False or None.
     """
-    given = {"strict": strict, "enabled": enabled, "check_sharing": check_sharing}
+    if check_sharing is not None:
+        warnings.warn(_CHECK_SHARING_RETIRED.format(what="configure(check_sharing=...)"),
+                      DeprecationWarning, stacklevel=2)
+    given = {"strict": strict, "enabled": enabled}
     for name, value in given.items():
         if value is not None and not isinstance(value, bool):
             raise TypeError(f"configure({name}=...) expects True or False, got {value!r}")
@@ -83,6 +93,3 @@ def strict() -> bool:
 def enabled() -> bool:
     return _state["enabled"]
 
-
-def check_sharing() -> bool:
-    return _state["check_sharing"]

@@ -51,7 +51,7 @@ import sys
 import threading
 import warnings
 
-from .._base import reads, xla, xla_cpu
+from .._base import arena, reads, xla, xla_cpu
 from .._base.native import C
 from . import verdicts
 
@@ -118,6 +118,7 @@ def summary() -> Summary:
         skipped_on_cpu=_skipped_on_cpu,
         cpu_guard=xla_cpu.describe(),
         reads=reads.path(),
+        live_tensors=arena.state(),
     )
 
 
@@ -141,12 +142,15 @@ def metrics_report() -> str:
       One ``Counter: name`` / ``Value: n`` pair per entry of ``COUNTERS``,
       then ``Setting: name`` / ``Value: ...`` pairs: ``TensorReads``, how the
       plugin asks torch_xla about tensors ("native reads" or "_XLAC
-      (<why>)"), and on XLA:CPU ``XlaCpuXnnpackGuard``, the XNNPACK guard's
+      (<why>)"), ``LiveTensorRegistry``, whether copies made in the
+      donating step are found by walking torch_xla's live tensors ("in
+      use", "off (<why>)": searched in Python), and on XLA:CPU ``XlaCpuXnnpackGuard``, the XNNPACK guard's
       state and what it means.
     """
     totals = C.totals()
     text = "".join(f"Counter: {name}\n  Value: {totals[field]}\n" for name, field in COUNTERS.items())
     text += f"Setting: TensorReads\n  Value: {reads.path()}\n"
+    text += f"Setting: LiveTensorRegistry\n  Value: {arena.state()}\n"
     if xla_cpu.state() != "none":
         text += f"Setting: XlaCpuXnnpackGuard\n  Value: {xla_cpu.state()} ({xla_cpu.describe()})\n"
     return text

@@ -31,26 +31,40 @@ only a holder still there drops the donation (value kept, a
 ``DroppedDonationWarning`` naming the holder where Python can reach it, or
 saying that C++ holds it).
 
-Without native reads (``TORCH_XLA_DONATE_NATIVE_READS=0``, a self-test that
-disagreed, a tensor the reader declines) the buffer's holders are searched
-for in Python (``_screen_by_search``): the source of a copy torch_xla files
-under the copy is found by one owner query and a walk of the live tensors;
-``configure(check_sharing=True)`` compares every donor's handle with those
-of all live tensors.  A holder only C++ keeps is not seen on that path.
+Copies made in the same step
+----------------------------
+A copy made from a donor since the last barrier (``load_state_dict``,
+``copy_``, ``t.to(dev, copy=True)``, ``torch.tensor(t)``, ``x[...] = t``)
+has the donor's own device-data node as its IR value: the barrier backs it
+with the donor's buffer, and no count shows it.  One native walk of
+torch_xla's live tensors per barrier that donates (``_base/arena.py``)
+finds the tensors holding that node, Python or C++ holders alike; such a
+donor is dropped, naming the copy.  A ``.clone()`` made in the step is found
+too and counts as a copy (torch_xla would compute it into a buffer of its
+own, but nothing readable tells it from a copy): the donation is dropped
+for that step.
 
-Not seen on either path: a copy made *in the same step* before the barrier
-(its IR is the source's device data node; no buffer count changes):
-``configure(check_sharing=True)`` compares handles then.
+Without the walk
+----------------
+Without native reads (``TORCH_XLA_DONATE_NATIVE_READS=0``, a self-test that
+disagreed, a tensor the reader declines) or without the walk (torch_xla's
+registry not found or not trusted: ``arena.state()``), the buffer's holders
+are searched for in Python (``_screen_by_search``): every donor of every
+barrier has its buffer handle compared with those of all live tensors
+Python can reach (a walk of the live objects per barrier that donates).
+Not seen on that path: a holder only C++ keeps (an autograd graph).
 
 >>> import torch_xla_donate as tdx
->>> tdx.configure(check_sharing=True)["check_sharing"]
-False
->>> tdx.configure(check_sharing=False)["check_sharing"]
-True
+>>> import warnings
+>>> with warnings.catch_warnings(record=True) as caught:
+...     warnings.simplefilter("always")
+...     _ = tdx.configure(check_sharing=True)  # retired: ownership is always checked
+>>> caught[0].category.__name__
+'DeprecationWarning'
 """
 import torch
 
-from .._base import config, reads, xla
+from .._base import arena, reads, xla
 from .._base.dtypes import shape_string
 from .._base.native import C
 from . import ownership, poison
@@ -79,27 +93,40 @@ _CPP_HOLDERS = (
 )
 
 
+_SAME_STEP = (
+    "it shares its device buffer with {holder}, a copy made from it in this step "
+    "(load_state_dict, copy_, t.to(device, copy=True), torch.tensor(t), x[...] = t, or a "
+    ".clone() or copy.deepcopy) that the step would back with this buffer: donating it would "
+    "destroy the copy. Make the copy with .clone() (copy.deepcopy for a module) and run a "
+    "step (torch_xla.sync()) before the one that donates its source: the step gives a clone "
+    "a buffer of its own. For load_state_dict, load a state_dict whose tensors were cloned "
+    "before that step; a plain copy keeps sharing its source's buffer"
+)
+
+
 def screen(donors, notices) -> list:
     """The committed donors that hold their buffer alone, or share it only
     with other donors of the same step; the others are dropped (value kept,
     a warning held in ``notices``).  ``donors`` are (tensor, record) entries.
 
-    Read from each buffer's holders where native reads answer for every
-    donor; else searched for in Python (``_screen_by_search``).
+    Copies made in the step found by the walk of torch_xla's live tensors,
+    other holders read from each buffer's holder count, where both answer;
+    else searched for in Python (``_screen_by_search``).
     """
     if not donors:
         return donors
     tensors = [t for t, _ in donors]
-    counts = reads.holders(tensors)
-    if any(c is None for c in counts):
-        return _screen_by_search(donors, notices)
-    if config.check_sharing():
-        # Also a copy made in this step, which no count shows.
-        donors = _screen_by_search(donors, notices)
+    copies = arena.same_step_copies(tensors)
+    if copies is None:  # no walk: every donor searched for, copies made in the step too
+        return _screen_by_search(donors, notices, every=True)
+    if any(copies):
+        donors = _drop_same_step_copies(donors, copies, notices)
         if not donors:
             return donors
         tensors = [t for t, _ in donors]
-        counts = reads.holders(tensors)
+    counts = reads.holders(tensors)
+    if any(c is None for c in counts):  # copies in the step already looked for
+        return _screen_by_search(donors, notices)
     over = _excess(tensors, counts)
     graph_holds_inputs = _graph_holds_inputs_at == C.current_step()
     if over:
@@ -173,12 +200,54 @@ def _named_sharers(indices, tensors) -> dict:
     return out
 
 
-def _screen_by_search(donors, notices) -> list:
+def _drop_same_step_copies(donors, copies, notices) -> list:
+    """Drops the donors whose ``copies`` (the walk's answer, per donor: ids
+    of the live tensors the barrier backs with its buffer, None where the
+    donor could not be read) list a holder; an unread donor is searched for
+    in Python.  Returns the donors left."""
+    hits = {i: ids for i, ids in enumerate(copies) if ids}
+    unread = [donors[i] for i, ids in enumerate(copies) if ids is None]
+    named = _names_of(set().union(*hits.values())) if hits else {}
+    dropped = {}
+    for i, ids in hits.items():
+        holders = [named[h] for h in ids if h in named]
+        if len(holders) > 3:
+            holders = holders[:3] + [f"{len(holders) - 3} more"]
+        holder = (", ".join(holders) if holders else
+                  f"a tensor Python cannot reach (torch_xla tensor {ids[0]}: an autograd graph "
+                  f"or C++ code holds it)")
+        dropped.setdefault(_SAME_STEP.format(holder=holder), []).append(donors[i])
+    for why, entries in dropped.items():
+        ownership.drop(entries, why, notices)
+    gone = {id(e) for entries in dropped.values() for e in entries}
+    gone.update(id(e) for e in unread)
+    kept = [e for e in donors if id(e) not in gone]
+    if unread:
+        kept += _screen_by_search(unread, notices, every=True)
+    return kept
+
+
+def _names_of(tensor_ids) -> dict:
+    """torch_xla tensor id -> the name of a live tensor Python can reach
+    with that id (absent: none found)."""
+    out = {}
+    with ownership.scanning():
+        for o in ownership.scan().tensors:
+            if _is_live_xla(o):
+                i = reads.tensor_id(o)
+                if i in tensor_ids and i not in out:
+                    out[i] = _name(o)
+    return out
+
+
+def _screen_by_search(donors, notices, every=False) -> list:
     """``screen`` without buffer counts: holders searched for in Python.
 
-    Without ``check_sharing`` only donors torch_xla files under another
-    tensor id are looked at; one whose other holder turns out to be dead is
-    donated, and that owner id is not looked for again.
+    ``every``: every donor's buffer handle is compared with those of all
+    live tensors (copies made in the step included).  Else only donors
+    torch_xla files under another tensor id are looked at; one whose other
+    holder turns out to be dead is donated, and that owner id is not looked
+    for again.
     """
     if not donors or xla.spmd():
         # torch_xla 2.9 crashes (SIGSEGV) asking the handle or the owner of a
@@ -186,7 +255,7 @@ def _screen_by_search(donors, notices) -> list:
         # run with wait=False): tools/repros/sharded_inflight_query.py.
         return donors
     tensors = [t for t, _ in donors]
-    if config.check_sharing():
+    if every:
         owners = {}
         suspects = list(range(len(donors)))
     else:

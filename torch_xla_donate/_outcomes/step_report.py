@@ -124,6 +124,10 @@ class Summary:
     # How the plugin asks torch_xla about tensors: "native reads", or
     # "_XLAC (<why not native>)" (_base/reads.py).
     reads: str = ""
+    # Whether the walk of torch_xla's live tensors finds copies made in the
+    # donating step: "in use", "off (<why>)" or "not decided yet"
+    # (_base/arena.py); off, every barrier's donors are searched in Python.
+    live_tensors: str = ""
 
     @property
     def unused_shapes(self) -> Counter:
@@ -161,6 +165,8 @@ class Summary:
             lines += [f"    {r}" for r in self.history[-5:]]
         if self.cpu_guard:
             lines.append(f"  XLA:CPU: {self.cpu_guard}")
+        if self.live_tensors:
+            lines.append(f"  live-tensor registry walk: {self.live_tensors}")
         if self.reads:
             lines.append(f"  tensor reads: {self.reads}")
         return "\n".join(lines)
