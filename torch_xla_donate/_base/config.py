@@ -14,6 +14,8 @@ Both can be set by environment variable (read at import) or by
   tensors, to see copies torch_xla backs with a donor's buffer that the
   always-on check cannot (sharing.py); costs a walk of the live objects per
   step that donates.
+* ``TORCH_XLA_DONATE_AUTO=1`` / ``configure(auto=True)``: each step barrier
+  also donates the step inputs nothing else holds any more (_outcomes/auto.py).
 
 >>> import torch_xla_donate as tdx
 >>> old = tdx.configure(strict=True)
@@ -23,7 +25,7 @@ True
 import os
 import threading
 
-__all__ = ["configure", "strict", "enabled", "check_sharing"]
+__all__ = ["configure", "strict", "enabled", "check_sharing", "auto"]
 
 _lock = threading.Lock()
 
@@ -36,6 +38,7 @@ _state = {
     "strict": _env_flag("TORCH_XLA_DONATE_STRICT"),
     "enabled": not _env_flag("TORCH_XLA_DONATE_DISABLE"),
     "check_sharing": _env_flag("TORCH_XLA_DONATE_CHECK_SHARING"),
+    "auto": _env_flag("TORCH_XLA_DONATE_AUTO"),
 }
 
 
@@ -45,7 +48,7 @@ changed_listeners = []
 
 
 def configure(*, strict: bool | None = None, enabled: bool | None = None,
-              check_sharing: bool | None = None) -> dict:
+              check_sharing: bool | None = None, auto: bool | None = None) -> dict:
     """Sets the switches given; None leaves one as it is.
 
     Args:
@@ -55,6 +58,8 @@ def configure(*, strict: bool | None = None, enabled: bool | None = None,
       check_sharing: compare every donor with all live tensors at each
         commit (sharing.py), to see every copy torch_xla backs with a
         donor's buffer.
+      auto: at each step barrier also donate the step inputs nothing else
+        holds (_outcomes/auto.py); off by default.
 
     Returns:
       The previous values, so ``configure(**previous)`` restores them.
@@ -62,7 +67,7 @@ def configure(*, strict: bool | None = None, enabled: bool | None = None,
     Raises:
       TypeError: a value is not True, False or None.
     """
-    given = {"strict": strict, "enabled": enabled, "check_sharing": check_sharing}
+    given = {"strict": strict, "enabled": enabled, "check_sharing": check_sharing, "auto": auto}
     for name, value in given.items():
         if value is not None and not isinstance(value, bool):
             raise TypeError(f"configure({name}=...) expects True or False, got {value!r}")
@@ -86,3 +91,7 @@ def enabled() -> bool:
 
 def check_sharing() -> bool:
     return _state["check_sharing"]
+
+
+def auto() -> bool:
+    return _state["auto"]

@@ -55,7 +55,7 @@ from collections import Counter
 
 from .._base import reads, xla, xla_cpu
 from .._base.native import C
-from . import verdicts
+from . import auto, verdicts
 
 __all__ = [
     "StepReport",
@@ -196,6 +196,8 @@ class Summary:
     # How the plugin asks torch_xla about tensors: "native reads", or
     # "_XLAC (<why not native>)" (_base/reads.py).
     reads: str = ""
+    # Automatic donation of dead step inputs (auto.py), in words; "" if none.
+    auto: str = ""
 
     @property
     def unused_shapes(self) -> Counter:
@@ -231,6 +233,8 @@ class Summary:
         if self.history:
             lines.append(f"  last steps (of {len(self.history)} kept):")
             lines += [f"    {r}" for r in self.history[-5:]]
+        if self.auto:
+            lines.append(f"  automatic: {self.auto}")
         if self.cpu_guard:
             lines.append(f"  XLA:CPU: {self.cpu_guard}")
         if self.reads:
@@ -270,6 +274,7 @@ def summary() -> Summary:
         skipped_on_cpu=_skipped_on_cpu,
         cpu_guard=xla_cpu.describe(),
         reads=reads.path(),
+        auto=auto.describe_totals(),
     )
 
 
