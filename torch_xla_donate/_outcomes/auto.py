@@ -63,7 +63,7 @@ _DTYPES = {
     "c128": torch.complex128, "u16": torch.uint16, "u32": torch.uint32, "u64": torch.uint64,
 }
 _SHAPE = re.compile(r"xla_shape=(\w+)\[([\d,]*)\]")
-_LIBRARY = ("/torch/", "/torch_xla/", "/torch_xla_donate/", "<")
+_LIBRARY = ("/torch/", "/torch_xla/", "/torch_xla_donate/", "<frozen")
 
 
 class Input(NamedTuple):
