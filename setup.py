@@ -16,7 +16,7 @@ from setuptools import find_packages, setup
 # csrc/base/tensor_facts.cpp and csrc/outcomes/record_tag.cpp reach tensors
 # through torch's c10 headers, csrc/base/variable.cpp through the inline code
 # of torch's python_variable.h (all ship in the torch wheel);
-# csrc/lazy/lazy_reads.cpp through torch's lazy-tensor headers, whose
+# csrc/lazy/lazy_reads.cpp and live_tensors.cpp through torch's lazy-tensor headers, whose
 # out-of-line functions (LazyTensor::data(), torch::lazy::getBackend(), ...)
 # libtorch_cpu exports: the module links libc10 and libtorch_cpu.
 # -idirafter: torch/include also holds a copy of pybind11, which must not

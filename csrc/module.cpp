@@ -10,7 +10,8 @@
 //   hooks/     commit (a step's batch helpers), trampoline (_C.Trampoline)
 //   auto/      dead_inputs (step inputs nothing else holds, found natively)
 //   lazy/      lazy_reads (torch_xla's answers read through torch's lazy-tensor
-//              headers), lazy_bindings (its lazy_* functions)
+//              headers), lazy_bindings (its lazy_* functions), live_tensors
+//              (torch_xla's registry of live tensors, walked)
 //
 // This file binds the ledger and the record tags; each folder registers
 // the rest itself.
@@ -30,6 +31,7 @@
 #include "hooks/commit.h"
 #include "hooks/trampoline.h"
 #include "lazy/lazy_bindings.h"
+#include "lazy/live_tensors.h"
 #include "marking/marking.h"
 #include "outcomes/ownership.h"
 #include "outcomes/poison.h"
@@ -119,6 +121,7 @@ PYBIND11_MODULE(_C, m) {
   RegisterOwnership(m.ptr());
   RegisterTrampoline(m.ptr());
   RegisterLazyReads(m.ptr());
+  RegisterLiveTensors(m.ptr());
   RegisterDeadInputs(m.ptr());
 
   m.def(

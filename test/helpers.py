@@ -3,6 +3,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import torch
 import torch_xla
@@ -118,3 +119,40 @@ def run_python(code: str, env=None, timeout=300) -> subprocess.CompletedProcess:
     )
     assert proc.returncode == 0, f"subprocess failed:\n{proc.stdout}\n{proc.stderr}"
     return proc
+
+
+# Copies torch_xla backs with their source's device buffer (a copy made since
+# the last barrier holds the source's device-data node): name -> make(w), w 2-D.
+
+def _copy_(w):
+    return torch.empty_like(w).copy_(w)
+
+
+def _to_copy(w):
+    return w.to(w.device, copy=True)
+
+
+def _tensor(w):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's advice to use clone()
+        return torch.tensor(w)
+
+
+def _setitem(w):
+    x = torch.zeros_like(w)
+    x[...] = w
+    return x
+
+
+def _load_state_dict(w):
+    """The DQN hard update: target.load_state_dict(online.state_dict())."""
+    out_features, in_features = w.shape
+    source = torch.nn.Linear(in_features, out_features, bias=False).to(w.device)
+    source.weight.data = w
+    target = torch.nn.Linear(in_features, out_features, bias=False).to(w.device)
+    target.load_state_dict(source.state_dict())
+    return target.weight
+
+
+COPIES = {"copy_": _copy_, "to(copy=True)": _to_copy, "torch.tensor": _tensor,
+          "x[...] = t": _setitem, "load_state_dict": _load_state_dict}

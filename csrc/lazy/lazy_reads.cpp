@@ -22,6 +22,8 @@
 #include <exception>
 #include <typeinfo>
 
+#include "lazy/lazy_tensor_of.h"
+
 namespace torch_xla_donate {
 namespace {
 
@@ -48,19 +50,6 @@ std::atomic<const void*> g_device_data_info_vtable{nullptr};
 std::atomic<bool> g_enabled{false};
 
 const void* VtableOf(const void* object) { return *static_cast<const void* const*>(object); }
-
-const c10::Symbol& DeviceDataOp() {
-  static const c10::Symbol op = c10::Symbol::fromQualString("xla::device_data");
-  return op;
-}
-
-std::string Demangled(const char* name) {
-  int status = 0;
-  char* text = abi::__cxa_demangle(name, nullptr, nullptr, &status);
-  std::string out = status == 0 && text ? text : name;
-  std::free(text);
-  return out;
-}
 
 // The TensorImpl torch_xla sees behind `impl`: the wrapped value of a
 // functional wrapper (at::functionalization::impl::isFunctionalTensor and
@@ -95,12 +84,7 @@ void ReadBuffer(BackendData& buffer, LazyFacts* out) {
 }
 
 bool Read(c10::TensorImpl* outer, LazyFacts* out) {
-  const void* xla_vtable = g_xla_impl_vtable.load(std::memory_order_acquire);
-  if (xla_vtable == nullptr) return false;
-  c10::TensorImpl* impl = Unwrapped(outer, &out->is_functional);
-  if (impl == nullptr || VtableOf(impl) != xla_vtable) return false;
-  auto* lazy =
-      *reinterpret_cast<LazyTensor* const*>(reinterpret_cast<const char*>(impl) + kXlaTensorOffset);
+  LazyTensor* lazy = XlaLazyTensorOf(reinterpret_cast<uintptr_t>(outer), &out->is_functional);
   if (lazy == nullptr) return false;
   out->xla_tensor_refcount = static_cast<long>(c10::raw::intrusive_ptr::use_count(lazy));
   const std::shared_ptr<LazyTensor::Data>& data = lazy->data();
@@ -133,6 +117,28 @@ bool Read(c10::TensorImpl* outer, LazyFacts* out) {
 }
 
 }  // namespace
+
+const c10::Symbol& DeviceDataOp() {
+  static const c10::Symbol op = c10::Symbol::fromQualString("xla::device_data");
+  return op;
+}
+
+std::string Demangled(const char* name) {
+  int status = 0;
+  char* text = abi::__cxa_demangle(name, nullptr, nullptr, &status);
+  std::string out = status == 0 && text ? text : name;
+  std::free(text);
+  return out;
+}
+
+LazyTensor* XlaLazyTensorOf(uintptr_t address, bool* functional) {
+  const void* xla_vtable = g_xla_impl_vtable.load(std::memory_order_acquire);
+  if (xla_vtable == nullptr) return nullptr;
+  c10::TensorImpl* impl = Unwrapped(reinterpret_cast<c10::TensorImpl*>(address), functional);
+  if (impl == nullptr || VtableOf(impl) != xla_vtable) return nullptr;
+  return *reinterpret_cast<LazyTensor* const*>(reinterpret_cast<const char*>(impl) +
+                                               kXlaTensorOffset);
+}
 
 bool LearnXlaTensorType(uintptr_t address, std::string* why) {
   try {

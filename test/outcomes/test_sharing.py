@@ -17,42 +17,10 @@ import pytest
 import torch
 import torch_xla
 import torch_xla.core.xla_model as xm
-from helpers import materialize
+from helpers import COPIES, materialize
 
 import torch_xla_donate as tdx
 from torch_xla_donate._outcomes import sharing
-
-
-def _copy_(w):
-    return torch.empty_like(w).copy_(w)
-
-
-def _to_copy(w):
-    return w.to(w.device, copy=True)
-
-
-def _tensor(w):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch's advice to use clone()
-        return torch.tensor(w)
-
-
-def _setitem(w):
-    x = torch.zeros_like(w)
-    x[...] = w
-    return x
-
-
-def _load_state_dict(w):
-    source = torch.nn.Linear(8, 8, bias=False).to(w.device)
-    source.weight.data = w
-    target = torch.nn.Linear(8, 8, bias=False).to(w.device)
-    target.load_state_dict(source.state_dict())
-    return target.weight
-
-
-COPIES = {"copy_": _copy_, "to(copy=True)": _to_copy, "torch.tensor": _tensor,
-          "x[...] = t": _setitem, "load_state_dict": _load_state_dict}
 
 
 @pytest.fixture
@@ -122,7 +90,7 @@ def test_a_source_whose_copy_is_gone_is_donated(dev, monkeypatch, reads_path):
     holders; the ``_XLAC`` path looks for that dead owner once, not at every
     step."""
     w = materialize(torch.randn(8, 8, device=dev))
-    c = _copy_(w)
+    c = COPIES["copy_"](w)
     torch_xla.sync()
     del c
     looks = []
@@ -133,7 +101,7 @@ def test_a_source_whose_copy_is_gone_is_donated(dev, monkeypatch, reads_path):
     assert tdx.is_deleted(w) and not dropped and looks == looked
     # Undonated twice in a row (no output can take it): still one look.
     v = materialize(torch.randn(8, 8, device=dev))
-    c = _copy_(v)
+    c = COPIES["copy_"](v)
     torch_xla.sync()
     del c
     for _ in range(2):  # warned once: the same line and shape (_outcomes/unused.py)
@@ -152,7 +120,7 @@ def test_check_sharing_sees_what_the_source_does_not_say(dev, check_sharing, cas
     check_sharing(True)
     w = materialize(torch.randn(8, 8, device=dev))
     if case == "the copy":
-        c = _copy_(w)
+        c = COPIES["copy_"](w)
         torch_xla.sync()
         keep, donor = w, c
     else:
@@ -162,7 +130,7 @@ def test_check_sharing_sees_what_the_source_does_not_say(dev, check_sharing, cas
         warnings.simplefilter("always")
         tdx.donate_buffer(donor)
         if keep is None:
-            keep = _copy_(w)  # a copy of the marked tensor, since the barrier
+            keep = COPIES["copy_"](w)  # a copy of the marked tensor, since the barrier
         new = donor * 2
         torch_xla.sync()
         xm.wait_device_ops()
@@ -188,7 +156,7 @@ def test_donors_of_one_step_may_share_a_buffer(dev, check_sharing, reads_path, c
     donated and both are poisoned."""
     check_sharing(checked)
     w = materialize(torch.randn(8, 8, device=dev))
-    c = _copy_(w)
+    c = COPIES["copy_"](w)
     torch_xla.sync()
     tdx.donate([w, c])
     new = w * 2 + 1
@@ -237,7 +205,7 @@ def test_owner_suspects_cannot_tell_which_of_a_shared_pair_owns_it(dev, native, 
 
     monkeypatch.setattr(xla, "OWNER_QUERY_SLICE", 3)
     w = materialize(torch.randn(8, 8, device=dev))
-    c = _to_copy(w)
+    c = COPIES["to(copy=True)"](w)
     others = [materialize(torch.randn(8, 8, device=dev)) for _ in range(4)]
     torch_xla.sync()
     got = xla.owner_suspects([others[0], w, c] + others[1:], native=native)
@@ -250,7 +218,7 @@ def test_owner_suspects_twins_agree_on_a_long_list(dev):
     from torch_xla_donate._base import xla
 
     ts = [materialize(torch.randn(4, device=dev)) for _ in range(3 * xla.OWNER_QUERY_SLICE + 7)]
-    copies = [_copy_(ts[i]) for i in (0, xla.OWNER_QUERY_SLICE, len(ts) - 1)]
+    copies = [COPIES["copy_"](ts[i]) for i in (0, xla.OWNER_QUERY_SLICE, len(ts) - 1)]
     torch_xla.sync()
     native = xla.owner_suspects(ts)
     assert native == xla.owner_suspects(ts, native=False)

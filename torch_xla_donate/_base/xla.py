@@ -152,6 +152,17 @@ _DATA_NODES_TAKE_UNCLONED = "uncloned" in (_XLAC._get_tensors_xla_device_data_no
 NO_OWNER = _XLAC._get_seed_info_id()
 
 
+def live_tensor_count() -> int:
+    """How many XLA tensors torch_xla's registry holds alive, all devices
+    (torch_xla's own walk of it: the live-tensor registry's self-test)."""
+    return len(_XLAC._check_device_tensor_need_materialization(""))
+
+
+def xlac_library() -> str:
+    """The path of torch_xla's native library ``_XLAC.so``."""
+    return os.path.realpath(_XLAC.__file__)
+
+
 def buffer_deleted(t: torch.Tensor) -> bool:
     """True once the buffer behind ``t`` was consumed by a donation.
 

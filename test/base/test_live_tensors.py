@@ -1,0 +1,129 @@
+"""torch_xla's live-tensor registry, walked natively (csrc/lazy/live_tensors.h
+and _base/arena.py): the walk sees what torch_xla's own walk sees, finds the
+copies a barrier would back with a donor's buffer and nothing else, and its
+guards leave it off when the arena cannot be found or trusted.
+
+The tricky case: a copy made since the last barrier holds the donor's own
+device-data node as its IR value, exactly as the donor does; a ``t * 2``
+reads that node too but is computed anew.  Only the first is a holder.
+"""
+import pytest
+import torch
+import torch_xla
+from helpers import COPIES, materialize, run_python
+
+from torch_xla_donate._base import arena, reads, xla
+from torch_xla_donate._base.native import C
+
+
+@pytest.fixture
+def walk(dev):
+    t = materialize(torch.randn(8, 8).to(dev))
+    reads.tensor_id(t)  # the first read decides the reads
+    assert arena.decide_on([t]), arena.state()
+    return t
+
+
+def test_the_walk_counts_what_torch_xla_counts(walk, dev):
+    before = C.live_count()
+    assert before == xla.live_tensor_count()
+    kept = [walk + i for i in range(3)]
+    assert C.live_count() == before + 3 == xla.live_tensor_count()
+    ids = {row[0] for row in arena.live_tensors()}
+    assert {reads.tensor_id(t) for t in kept + [walk]} <= ids
+    del kept
+    assert C.live_count() == before
+
+
+@pytest.mark.parametrize("copy", list(COPIES))
+def test_a_copy_made_since_the_barrier_is_found(walk, copy):
+    c = COPIES[copy](walk)
+    found = arena.same_step_copies([walk])[0]
+    assert reads.tensor_id(c) in found
+
+
+READS = {
+    "t * 2": lambda t: t * 2,
+    "a view": lambda t: t[0:2],
+    "a matmul": lambda t: t @ t,
+    "a batch from the CPU": lambda t: torch.randn(8, 8).to(t.device),
+}
+
+
+@pytest.mark.parametrize("use", list(READS))
+def test_what_only_reads_the_donor_is_no_holder(walk, use):
+    out = READS[use](walk)
+    assert arena.same_step_copies([walk]) == [[]], out
+
+
+def test_a_donor_that_is_itself_a_copy_finds_its_source(walk):
+    c = walk.to(walk.device, copy=True)
+    assert reads.tensor_id(walk) in arena.same_step_copies([c])[0]
+    # Donated together: neither holds the other's value against the step.
+    assert arena.same_step_copies([walk, c]) == [[], []]
+
+
+def test_after_the_barrier_a_copy_holds_a_buffer_of_its_own_kind(walk):
+    c = walk.to(walk.device, copy=True)
+    torch_xla.sync()
+    # It now shares the buffer as a handle (holder counts see that), not as IR.
+    assert arena.same_step_copies([walk]) == [[]]
+    assert reads.buffer_key(c) == reads.buffer_key(walk)
+
+
+def test_an_unreadable_donor_is_none(walk):
+    assert arena.same_step_copies([walk, torch.ones(2), walk * 2]) == [[], None, None]
+
+
+_GUARD = """
+import torch, torch_xla, warnings
+import torch_xla_donate as tdx
+from torch_xla_donate._base import arena, reads
+{setup}
+dev = torch_xla.device()
+t = torch.randn(8, 8).to(dev)
+torch_xla.sync()
+reads.tensor_id(t)
+print("IN USE:", arena.decide_on([t]))
+print("STATE:", arena.state())
+print("SUMMARY:", str(tdx.summary()).splitlines()[-1])
+"""
+
+
+def _guarded(setup="", env=None):
+    out = run_python(_GUARD.format(setup=setup), env=env).stdout
+    return dict(line.split(": ", 1) for line in out.splitlines() if ": " in line)
+
+
+GUARDS = {
+    "a symbol the library lacks": ("arena.SYMBOL = b'_ZZN9torch_xla6NoSuchE5arena'", None,
+                                   "is not in"),
+    "a count torch_xla disagrees with": ("arena.xla.live_tensor_count = lambda: -1", None,
+                                         "the walk counts"),
+    "native reads off": ("", {reads.ENV: "0"}, "native reads are off"),
+}
+
+
+@pytest.mark.parametrize("guard", list(GUARDS))
+def test_each_guard_leaves_the_walk_off_and_says_why(guard):
+    setup, env, why = GUARDS[guard]
+    out = _guarded(setup, env)
+    assert out["IN USE"] == "False"
+    assert out["STATE"].startswith("off (") and why in out["STATE"], out["STATE"]
+
+
+def test_the_native_guard_refuses_an_object_of_another_type(walk):
+    address = C.live_arena()
+    try:
+        why = C.live_set_arena(walk._cdata)  # a TensorImpl: polymorphic, not the arena
+        assert "FunctionalTensorWrapper" in why and C.LIVE_ARENA_TYPE in why
+        assert C.live_arena() == 0 and C.live_count() is None
+        assert C.same_step_copies([walk]) is None
+    finally:
+        assert C.live_set_arena(address) == ""
+    assert C.live_count() == xla.live_tensor_count()
+
+
+def test_in_use_by_default():
+    out = _guarded()
+    assert out["IN USE"] == "True" and out["STATE"] == "in use"
