@@ -130,7 +130,7 @@ bool DonorKeyOf(uintptr_t impl, DonorKey* key) {
 
 bool SameStepCopies(const std::vector<DonorKey>& donors, std::vector<std::vector<int64_t>>* out) {
   out->assign(donors.size(), {});
-  using Key = std::pair<uintptr_t, size_t>;  // (node or buffer, donor index)
+  using Key = std::pair<uintptr_t, size_t>;   // (node or buffer, donor index)
   std::vector<Key> nodes, buffers, borrowed;  // borrowed: donors without a handle
   std::vector<int64_t> ids;
   for (size_t i = 0; i < donors.size(); ++i) {

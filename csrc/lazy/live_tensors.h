@@ -40,9 +40,9 @@ namespace torch_xla_donate {
 // One live tensor's LazyTensor::Data, as the walk sees it.  Addresses
 // identify objects (compare them), never dereference them outside the walk.
 struct LiveTensor {
-  int64_t tensor_id = -1;         // LazyTensor::Data::unique_id
-  uintptr_t handle = 0;           // its own buffer (BackendData*), 0 without
-  uintptr_t ir_node = 0;          // its cached IR value's node, 0 without
+  int64_t tensor_id = -1;          // LazyTensor::Data::unique_id
+  uintptr_t handle = 0;            // its own buffer (BackendData*), 0 without
+  uintptr_t ir_node = 0;           // its cached IR value's node, 0 without
   bool ir_is_device_data = false;  // ... which is an `xla::device_data` node
   // The buffer that device_data node holds (a copy made since the last
   // barrier reads its source's); 0 otherwise.

@@ -86,7 +86,8 @@ torch_xla.sync()
 reads.tensor_id(t)
 print("IN USE:", arena.decide_on([t]))
 print("STATE:", arena.state())
-print("SUMMARY:", str(tdx.summary()).splitlines()[-1])
+print("SUMMARY:", [l for l in str(tdx.summary()).splitlines() if "registry" in l][0])
+print("METRICS:", tdx.metrics_report().split("LiveTensorRegistry\\n  Value: ")[1].splitlines()[0])
 """
 
 
@@ -110,6 +111,7 @@ def test_each_guard_leaves_the_walk_off_and_says_why(guard):
     out = _guarded(setup, env)
     assert out["IN USE"] == "False"
     assert out["STATE"].startswith("off (") and why in out["STATE"], out["STATE"]
+    assert out["SUMMARY"].endswith(out["STATE"]) and out["METRICS"] == out["STATE"]
 
 
 def test_the_native_guard_refuses_an_object_of_another_type(walk):
@@ -127,3 +129,4 @@ def test_the_native_guard_refuses_an_object_of_another_type(walk):
 def test_in_use_by_default():
     out = _guarded()
     assert out["IN USE"] == "True" and out["STATE"] == "in use"
+    assert out["SUMMARY"].endswith("walk: in use") and out["METRICS"] == "in use"

@@ -137,19 +137,17 @@ def _decide(donors) -> None:
     with _lock:
         if _state["decided"]:
             return
-        why = None
-        if not reads.path() == "native reads":
-            why = f"native reads are off ({reads.path()})"
-        else:
-            arena, why = _find_arena()
-            if arena:
-                try:
-                    why = _self_test(donors)
-                except Exception as error:  # any surprise: the walk stays off
-                    why = f"self-test raised {error!r}"
-                if why == "no donor to test on":
-                    C.live_set_arena(0)
-                    return
+        if not C.lazy_enabled():
+            return  # off while native reads are (state() says so); decided with them on
+        arena, why = _find_arena()
+        if arena:
+            try:
+                why = _self_test(donors)
+            except Exception as error:  # any surprise: the walk stays off
+                why = f"self-test raised {error!r}"
+            if why == "no donor to test on":
+                C.live_set_arena(0)
+                return
         if why is not None:
             C.live_set_arena(0)
         _state["why_off"], _state["decided"] = why, True
@@ -158,7 +156,7 @@ def _decide(donors) -> None:
 def state() -> str:
     """``"in use"``, ``"off (<why>)"`` or ``"not decided yet"`` (before the
     first barrier with donors)."""
-    if not C.lazy_enabled() and reads.decided():
+    if not C.lazy_enabled() and reads.path() != "not decided yet":
         return f"off (native reads are off: {reads.path()})"
     if not _state["decided"]:
         return "not decided yet"

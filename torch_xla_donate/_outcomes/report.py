@@ -53,7 +53,7 @@ import threading
 import warnings
 from collections import Counter
 
-from .._base import reads, xla, xla_cpu
+from .._base import arena, reads, xla, xla_cpu
 from .._base.native import C
 from . import auto, verdicts
 
@@ -196,6 +196,10 @@ class Summary:
     # How the plugin asks torch_xla about tensors: "native reads", or
     # "_XLAC (<why not native>)" (_base/reads.py).
     reads: str = ""
+    # Whether the walk of torch_xla's live tensors finds copies made in the
+    # donating step: "in use", "off (<why>)" or "not decided yet"
+    # (_base/arena.py); off, every barrier's donors are searched in Python.
+    live_tensors: str = ""
     # Automatic donation of dead step inputs (auto.py), in words; "" if none.
     auto: str = ""
 
@@ -237,6 +241,8 @@ class Summary:
             lines.append(f"  automatic: {self.auto}")
         if self.cpu_guard:
             lines.append(f"  XLA:CPU: {self.cpu_guard}")
+        if self.live_tensors:
+            lines.append(f"  live-tensor registry walk: {self.live_tensors}")
         if self.reads:
             lines.append(f"  tensor reads: {self.reads}")
         return "\n".join(lines)
@@ -274,6 +280,7 @@ def summary() -> Summary:
         skipped_on_cpu=_skipped_on_cpu,
         cpu_guard=xla_cpu.describe(),
         reads=reads.path(),
+        live_tensors=arena.state(),
         auto=auto.describe_totals(),
     )
 
@@ -298,12 +305,15 @@ def metrics_report() -> str:
       One ``Counter: name`` / ``Value: n`` pair per entry of ``COUNTERS``,
       then ``Setting: name`` / ``Value: ...`` pairs: ``TensorReads``, how the
       plugin asks torch_xla about tensors ("native reads" or "_XLAC
-      (<why>)"), and on XLA:CPU ``XlaCpuXnnpackGuard``, the XNNPACK guard's
+      (<why>)"), ``LiveTensorRegistry``, whether copies made in the
+      donating step are found by walking torch_xla's live tensors ("in
+      use", "off (<why>)": searched in Python), and on XLA:CPU ``XlaCpuXnnpackGuard``, the XNNPACK guard's
       state and what it means.
     """
     totals = C.totals()
     text = "".join(f"Counter: {name}\n  Value: {totals[field]}\n" for name, field in COUNTERS.items())
     text += f"Setting: TensorReads\n  Value: {reads.path()}\n"
+    text += f"Setting: LiveTensorRegistry\n  Value: {arena.state()}\n"
     if xla_cpu.state() != "none":
         text += f"Setting: XlaCpuXnnpackGuard\n  Value: {xla_cpu.state()} ({xla_cpu.describe()})\n"
     return text
