@@ -61,7 +61,9 @@ void Describe(const LazyTensor::Data& data, LiveTensor* out) {
   const torch::lazy::Node* node = data.ir_value.node.get();
   out->ir_node = Address(node);
   out->ir_is_device_data = node != nullptr && node->op().op == DeviceDataOp();
-  if (out->ir_is_device_data) out->device_data_buffer = NodeBuffer(node);
+  // With a handle of its own the node's buffer is not asked (a virtual call
+  // per tensor): only a tensor without one reads another's.
+  if (out->ir_is_device_data && out->handle == 0) out->device_data_buffer = NodeBuffer(node);
 }
 
 }  // namespace

@@ -44,8 +44,8 @@ struct LiveTensor {
   uintptr_t handle = 0;            // its own buffer (BackendData*), 0 without
   uintptr_t ir_node = 0;           // its cached IR value's node, 0 without
   bool ir_is_device_data = false;  // ... which is an `xla::device_data` node
-  // The buffer that device_data node holds (a copy made since the last
-  // barrier reads its source's); 0 otherwise.
+  // Without a handle: the buffer that device_data node holds (a copy made
+  // since the last barrier reads its source's); 0 otherwise.
   uintptr_t device_data_buffer = 0;
 };
 
