@@ -39,9 +39,9 @@ from . import errors, report  # noqa: E402
 from ._base.config import configure  # noqa: E402
 from ._hooks import install as _install  # noqa: E402
 from ._marking.donating import donating  # noqa: E402
-from ._outcomes.advice import Advice, advise  # noqa: E402
 from ._marking.tensor import donate_buffer, is_deleted, is_donated  # noqa: E402
 from ._marking.trees import donate, undonate  # noqa: E402
+from ._outcomes.advice import Advice, advise  # noqa: E402
 from ._outcomes.verdicts import settle  # noqa: E402
 from .errors import (  # noqa: E402
     AutoDonationUnavailableError,

@@ -1,13 +1,10 @@
-// See dead_inputs.h.  Includes torch's lazy-tensor headers; the arena walk
-// (ForAllDeviceContexts), getBackend() and the Node methods it calls live in
+// See dead_inputs.h.  Walks torch_xla's live tensors through
+// lazy/live_tensors.h (ForEachLiveTensor) and reads Python tensors through
+// lazy/lazy_tensor_of.h; getBackend() and the Node methods it calls live in
 // libtorch_cpu; GetComputationDataFromNode, HasValue and ToString are
 // virtual calls into torch_xla.
 #include "auto/dead_inputs.h"
 
-#include <ATen/FunctionalTensorWrapper.h>
-#include <c10/core/TensorImpl.h>
-#include <c10/util/intrusive_ptr.h>
-#include <cxxabi.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/lazy/backend/backend_interface.h>
@@ -17,18 +14,18 @@
 
 #include <atomic>
 #include <chrono>
-#include <optional>
-#include <tuple>
-#include <cstdlib>
 #include <memory>
-#include <mutex>
+#include <optional>
 #include <string>
+#include <tuple>
 #include <typeinfo>
 #include <unordered_set>
 #include <utility>
 #include <vector>
 
 #include "base/tensor_access.h"
+#include "lazy/lazy_tensor_of.h"
+#include "lazy/live_tensors.h"
 
 namespace py = pybind11;
 
@@ -38,39 +35,6 @@ namespace {
 using torch::lazy::BackendDataPtr;
 using torch::lazy::LazyTensor;
 using torch::lazy::Node;
-
-// The registry's types are protected members of torch's LazyGraphExecutor:
-// named through these, never instantiated.
-struct ExecutorAccess : torch::lazy::LazyGraphExecutor {
-  using ArenaType = torch::lazy::LazyGraphExecutor::DeviceContextArena;
-};
-using Arena = ExecutorAccess::ArenaType;
-struct ArenaAccess : Arena {
-  using Arena::DeviceContext;
-  static void ForAll(Arena* arena, const std::function<void(DeviceContext*)>& fn) {
-    (arena->*(&ArenaAccess::ForAllDeviceContexts))(fn, /*device=*/nullptr);
-  }
-};
-
-constexpr char kXlaTensorImplName[] = "torch_xla::XLATensorImpl";
-
-std::string Demangled(const char* name) {
-  int status = 0;
-  char* text = abi::__cxa_demangle(name, nullptr, nullptr, &status);
-  std::string out = status == 0 && text ? text : name;
-  std::free(text);
-  return out;
-}
-
-// XLATensorImpl holds its XLATensorPtr first after the c10::TensorImpl base
-// (torch_xla/csrc/tensor_impl.h, 2.7-2.9), as lazy_reads.cpp reads it.
-struct FirstMemberProbe : c10::TensorImpl {
-  c10::intrusive_ptr<LazyTensor> first;
-};
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Winvalid-offsetof"
-constexpr size_t kXlaTensorOffset = offsetof(FirstMemberProbe, first);
-#pragma GCC diagnostic pop
 
 // torch_xla's XLATensor::Data (torch_xla/csrc/tensor.h, 2.7-2.9): torch's
 // Data, then these members.  Read only for `alias_id` (the id torch_xla's
@@ -98,26 +62,12 @@ int64_t AliasId(const LazyTensor::Data& data) {
   return static_cast<const XlaDataMirror&>(data).alias_id;
 }
 
-const c10::Symbol& DeviceDataOp() {
-  static const c10::Symbol op = c10::Symbol::fromQualString("xla::device_data");
-  return op;
-}
-
-// The LazyTensor behind a Python XLA tensor, or nullptr (checked by RTTI
-// name: only the carrier and the self-test's tensor are read).
+// The LazyTensor behind a Python XLA tensor (lazy_reads' guarded read), or
+// nullptr.
 LazyTensor* LazyOfTensor(py::handle t) {
   const uintptr_t address = ImplAddress(t.ptr());
-  if (address == 0) return nullptr;
-  auto* impl = reinterpret_cast<c10::TensorImpl*>(address);
-  if (impl->key_set().has(c10::DispatchKey::Functionalize)) {
-    auto* wrapper = static_cast<at::FunctionalTensorWrapper*>(impl);
-    if (!wrapper->is_up_to_date()) return nullptr;
-    impl = wrapper->value().unsafeGetTensorImpl();
-  }
-  if (Demangled(typeid(*impl).name()) != kXlaTensorImplName) return nullptr;
-  auto* lazy =
-      *reinterpret_cast<LazyTensor* const*>(reinterpret_cast<const char*>(impl) + kXlaTensorOffset);
-  return lazy;
+  bool functional = false;
+  return address == 0 ? nullptr : XlaLazyTensorOf(address, &functional);
 }
 
 // One dead input: its buffer (held here from the search to its verdict)
@@ -193,43 +143,36 @@ class DeadInputs {
 
 // The search: see dead_inputs.h.  `describe`: keep each dead node's text
 // and source frames (torch lazy IR metadata; frames only with XLA_IR_DEBUG).
-std::unique_ptr<DeadInputs> FindDeadInputs(uintptr_t arena, bool describe) {
-  if (arena == 0) throw py::value_error("no live-tensor registry (arena address 0)");
-  const auto start = std::chrono::steady_clock::now();
-  auto out = std::make_unique<DeadInputs>();
-  const c10::Symbol device_data = DeviceDataOp();
-  std::vector<torch::lazy::NodePtr> roots;
-  std::unordered_set<const Node*> held_nodes;  // device-data nodes live tensors hold
-  std::unordered_set<int64_t> outputs;         // alias ids of the pending tensors
+std::unique_ptr<DeadInputs> FindDeadInputs(bool describe) {
   if (!g_alias_reads.load(std::memory_order_acquire)) {
     throw py::value_error("alias ids are not readable (the self-test did not pass)");
   }
+  const auto start = std::chrono::steady_clock::now();
+  auto out = std::make_unique<DeadInputs>();
+  const c10::Symbol device_data = DeviceDataOp();
+  // The pending tensors' IR nodes, owned: the walk keeps each Data alive
+  // only while it is visited.
+  std::vector<torch::lazy::NodePtr> roots;
+  std::unordered_set<const Node*> held_nodes;  // device-data nodes live tensors hold
+  std::unordered_set<int64_t> outputs;         // alias ids of the pending tensors
+  bool walked = false;
   {
-    // Data dying under the arena's lock would take it again: keep every
-    // Data looked at alive until the lock is released.
-    std::vector<std::shared_ptr<LazyTensor::Data>> alive;
-    py::gil_scoped_release no_gil;
-    ArenaAccess::ForAll(reinterpret_cast<Arena*>(arena), [&](ArenaAccess::DeviceContext* ctx) {
-      std::lock_guard<std::mutex> lock(ctx->lock);
-      alive.reserve(alive.size() + ctx->tensors_data.size());
-      for (auto& entry : ctx->tensors_data) {
-        alive.push_back(entry.second.lock());
-        const std::shared_ptr<LazyTensor::Data>& data = alive.back();
-        if (!data) continue;
-        ++out->live;
-        const torch::lazy::NodePtr& node = data->ir_value.node;
-        if (!node) continue;
-        if (node->op().op == device_data) {
-          held_nodes.insert(node.get());
-        } else if (!data->handle) {
-          roots.push_back(node);  // pending: the barrier computes it
-          outputs.insert(AliasId(*data));
-        }
+    py::gil_scoped_release no_gil;  // the registry's lock is taken
+    walked = ForEachLiveTensor([&](const LiveTensor& t) {
+      ++out->live;
+      if (t.ir_node == 0) return;
+      if (t.ir_is_device_data) {
+        held_nodes.insert(reinterpret_cast<const Node*>(t.ir_node));
+      } else if (t.handle == 0) {
+        // Pending: the barrier computes it.  Its Data is alive here.
+        const auto& data = *reinterpret_cast<const LazyTensor::Data*>(t.data);
+        roots.push_back(data.ir_value.node);
+        outputs.insert(AliasId(data));
       }
     });
-    out->pending = roots.size();
-    alive.clear();
   }
+  if (!walked) throw py::value_error("the live-tensor registry walk is off");
+  out->pending = roots.size();
   // Post-order walk of the roots' IR down to device data.
   const torch::lazy::BackendImplInterface* backend = torch::lazy::getBackend();
   std::unordered_set<const Node*> visited;
@@ -271,8 +214,7 @@ std::unique_ptr<DeadInputs> FindDeadInputs(uintptr_t arena, bool describe) {
       }
     }
   }
-  out->seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  out->seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return out;
 }
 
@@ -302,7 +244,7 @@ void RegisterDeadInputs(PyObject* module) {
   m.def(
       "set_alias_reads", [](bool on) { g_alias_reads.store(on, std::memory_order_release); },
       py::arg("on"));
-  m.def("find_dead_inputs", &FindDeadInputs, py::arg("arena"), py::arg("describe") = false,
+  m.def("find_dead_inputs", &FindDeadInputs, py::arg("describe") = false,
         "The device buffers the pending IR reads that nothing else holds (dead_inputs.h).");
 }
 

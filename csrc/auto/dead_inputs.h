@@ -8,8 +8,8 @@
 // in place; no Python object is left to mark.  Walking the garbage
 // collector to find the pending tensors costs 200-450 ms a step.
 //
-// Here, natively: torch_xla's live tensors (its DeviceContextArena, located
-// by _base/arena.py) are walked once; the pending ones (no buffer, an IR
+// Here, natively: torch_xla's live tensors (its registry, walked by
+// lazy/live_tensors.h) are walked once; the pending ones (no buffer, an IR
 // node that is not device data) are the roots of a post-order walk of their
 // IR (a visited set: shared subgraphs once) down to the device-data nodes.
 // A node's buffer is dead when its shared_ptr count is the node's own plus

@@ -53,8 +53,8 @@ from .._base.errors import DroppedDonationWarning
 from .._base.lock import lock
 from .._base.messages import Notices
 from .._base.native import C
-from .._outcomes import devices as _devices
 from .._outcomes import auto, failures, ownership, sharing, verdicts
+from .._outcomes import devices as _devices
 
 __all__ = ["barrier_before", "barrier_after", "decide", "undecided", "split", "arm", "finish",
            "flush_before", "flush_after"]
@@ -91,6 +91,8 @@ def barrier_before(device="", devices=(), wait=True, reset_scope=True, *, commit
     check that cannot decide drops the step's marks (values kept) with a
     ``DroppedDonationWarning`` given after the barrier.
     """
+    if commits:
+        auto.prepare()  # once, outside the lock: the reads' self-test runs graphs
     lock.acquire()
     try:
         fast_path.refresh()

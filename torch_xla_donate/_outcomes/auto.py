@@ -52,7 +52,7 @@ from .._base import arena, config, reads, xla
 from .._base.errors import AutoDonationUnavailableError, AutoDonationUnavailableWarning
 from .._base.native import C
 
-__all__ = ["Input", "unavailable", "require", "at_commit", "after_graph", "abandon", "settle",
+__all__ = ["Input", "prepare", "unavailable", "require", "at_commit", "after_graph", "abandon", "settle",
            "totals", "advisors"]
 
 # XLA's element types, as the device-data node's xla_shape names them.
@@ -77,8 +77,11 @@ class Input(NamedTuple):
 
 
 def _describe(node_text: str, frames) -> Input:
-    """>>> _describe("xla::device_data, xla_shape=f32[4,2]{1,0}, device=CPU:0", [])
-    Input(shape=(4, 2), dtype=torch.float32, nbytes=32, line=None)"""
+    """An ``Input`` from a device-data node's text and its source frames.
+
+    >>> _describe("xla::device_data, xla_shape=f32[4,2]{1,0}, device=CPU:0", [])
+    Input(shape=(4, 2), dtype=torch.float32, nbytes=32, line=None)
+    """
     m = _SHAPE.search(node_text)
     if m is None:
         return Input((), None, 0, None)
@@ -94,7 +97,7 @@ def _describe(node_text: str, frames) -> Input:
 
 
 _lock = threading.Lock()
-_state = {"alias": None, "warned": False, "carriers": {}}
+_state = {"alias": None, "warned": False, "carriers": {}, "prepared": False}
 _totals = {"steps": 0, "armed": 0, "armed_bytes": 0, "reused": 0, "reused_bytes": 0,
            "aliased": 0, "search_seconds": 0.0}
 _in_flight = []  # (DeadInputs, [Input]) armed at a commit, verdict not read yet
@@ -117,30 +120,48 @@ def _alias_self_test() -> str | None:
     return None if ok else "torch_xla's alias ids could not be read (self-test failed)"
 
 
+def prepare(force: bool = False) -> None:
+    """Outside any commit (a step barrier calls it before taking the lock,
+    ``advise()`` on entry): decides the native reads and the registry walk
+    on a sample tensor of the plugin's own, once, if auto or an advisor is
+    on and nothing decided them yet.  The reads' self-test runs graphs of
+    its own, which must never happen inside a commit."""
+    wanted = force or advisors or config.auto()
+    if _state["prepared"] or not wanted or C.lock_holders() > 0:
+        return
+    _state["prepared"] = True
+    if not reads._env_allows():
+        return
+    sample = torch.arange(4.0).to(xla.default_device())
+    xla.real("_xla_sync_multi")([sample], [], True, True)  # a buffer of its own
+    reads.decide_on(sample)
+    arena.decide_on([sample])
+
+
 def unavailable() -> str | None:
     """Why dead inputs cannot be found here, or None."""
     if not reads._env_allows():
         return f"native reads are off ({reads.ENV}=0)"
-    if reads.decided() and not reads.path().startswith("native"):
+    if not reads.decided():
+        return "native reads not decided yet"
+    if not reads.path().startswith("native"):
         return f"native reads are off: {reads.path()}"
     if xla.spmd():
         return "SPMD is on (sharded buffers are not looked at)"
     if xla.local_device_count() > 1:
         return "more than one device in this process"
+    if not arena.in_use():
+        return f"torch_xla's live-tensor registry walk is {arena.state()}"
     if _state["alias"] is None:  # runs no graph: safe inside a commit
-        _state["alias"] = _alias_self_test() or ""  # (and makes torch_xla's registry)
+        _state["alias"] = _alias_self_test() or ""
         C.set_alias_reads(_state["alias"] == "")
-    if _state["alias"]:
-        return _state["alias"]
-    if not arena.address():
-        return ("torch_xla's live-tensor registry was not found in _XLAC.so's symbol table "
-                "(a stripped or unknown torch_xla build)")
-    return None
+    return _state["alias"] or None
 
 
 def require() -> None:
     """Raises ``AutoDonationUnavailableError`` if dead inputs cannot be
     found in this process (and runs the checks outside any commit)."""
+    prepare(force=True)
     why = unavailable()
     if why:
         raise AutoDonationUnavailableError(
@@ -167,13 +188,15 @@ def at_commit(device):
         return None
     _settle_in_flight()
     why = unavailable()
+    if why == "native reads not decided yet":
+        return None  # decided before the next barrier (prepare)
     if why:
         if not advisors and not _state["warned"]:
             _state["warned"] = True
             warnings.warn(f"TORCH_XLA_DONATE_AUTO / configure(auto=True) does nothing: {why}",
                           AutoDonationUnavailableWarning, stacklevel=2)
         return None
-    found = C.find_dead_inputs(arena.address(), describe=bool(advisors))
+    found = C.find_dead_inputs(describe=bool(advisors))
     inputs = [_describe(text, frames) for text, frames in found.describe()]
     mask = [bool(i.shape) and i.dtype is not None for i in inputs]  # never a 0-dim buffer
     found.keep(mask)
@@ -248,12 +271,12 @@ def totals() -> dict:
     return out
 
 
-def describe_totals() -> str:
-    """The summary's line, '' when nothing was armed."""
+def describe_totals(_size) -> str:
+    """The summary's line (sizes written by ``_size``), '' when nothing was
+    armed."""
     t = totals()
     if not t["armed"] and not t["in_flight"]:
         return ""
-    from .report import _size
     text = (f"{t['armed']} dead input(s) ({_size(t['armed_bytes'])}) in {t['steps']} step(s), "
             f"reused {t['reused']} ({_size(t['reused_bytes'])})")
     return text + (f", in flight {t['in_flight']}" if t["in_flight"] else "")

@@ -281,7 +281,7 @@ def summary() -> Summary:
         cpu_guard=xla_cpu.describe(),
         reads=reads.path(),
         live_tensors=arena.state(),
-        auto=auto.describe_totals(),
+        auto=auto.describe_totals(_size),
     )
 
 
