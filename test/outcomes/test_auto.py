@@ -7,6 +7,10 @@ in the old buffers (device pointers), the old buffers are consumed, the
 values equal a run without donation.
 """
 import contextlib
+import os
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -255,3 +259,16 @@ def test_with_ir_debug_the_advisor_names_the_line():
     out = run_python(_LINES, env={"XLA_IR_DEBUG": "1"}).stdout
     line = next(i for i, text in enumerate(_LINES.splitlines(), 1) if "# LINE" in text)
     assert f"lines: ['<string>:{line}']" in out or f":{line}'" in out, out
+
+
+def test_python_m_advise_prints_the_table_for_a_script(tmp_path):
+    script = tmp_path / "loop.py"
+    script.write_text(_LINES.replace("with tdx.advise() as advice:", "if True:")
+                      .replace('print("lines:", [e.line for e in advice.entries])', ""))
+    proc = subprocess.run([sys.executable, "-m", "torch_xla_donate", "advise", str(script)],
+                          env=dict(os.environ, PJRT_DEVICE="CPU", XLA_IR_DEBUG="1"),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    line = next(i for i, text in enumerate(_LINES.splitlines(), 1) if "# LINE" in text)
+    assert re.search(rf"3 +\[16, 16\] +float32 +{re.escape(str(script))}:{line}", proc.stderr), \
+        proc.stderr
