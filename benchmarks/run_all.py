@@ -26,6 +26,7 @@ BENCHMARKS = {
     "xnnpack_flag": ("bench_xnnpack_flag.py", [], ["--rounds", "1"]),
     "instructions": ("bench_instructions.py", [], ["--tensors", "50", "--steps", "2"]),
     "reads": ("bench_reads.py", [], ["--calls", "300"]),
+    "auto": ("bench_auto.py", [], ["--rounds", "3"]),
 }
 # Tools a benchmark needs beyond Python: without them it is skipped, and says so.
 NEEDS = {"instructions": "valgrind", "reads": "valgrind"}
