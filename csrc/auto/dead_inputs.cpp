@@ -152,7 +152,7 @@ std::unique_ptr<DeadInputs> FindDeadInputs(bool describe) {
   const c10::Symbol device_data = DeviceDataOp();
   // The pending tensors' IR nodes, owned: the walk keeps each Data alive
   // only while it is visited.
-  std::vector<torch::lazy::NodePtr> roots;
+  std::vector<torch::lazy::NodePtr> roots, kept;
   std::unordered_set<const Node*> held_nodes;  // device-data nodes live tensors hold
   std::unordered_set<int64_t> outputs;         // alias ids of the pending tensors
   bool walked = false;
@@ -168,6 +168,10 @@ std::unique_ptr<DeadInputs> FindDeadInputs(bool describe) {
         const auto& data = *reinterpret_cast<const LazyTensor::Data*>(t.data);
         roots.push_back(data.ir_value.node);
         outputs.insert(AliasId(data));
+      } else {
+        // A buffer and an IR value that is not device data: the barrier
+        // leaves it as it is, so whatever its IR reads stays needed.
+        kept.push_back(reinterpret_cast<const LazyTensor::Data*>(t.data)->ir_value.node);
       }
     });
   }
@@ -178,6 +182,20 @@ std::unique_ptr<DeadInputs> FindDeadInputs(bool describe) {
   std::unordered_set<const Node*> visited;
   std::unordered_set<const torch::lazy::BackendData*> seen;
   std::vector<const Node*> stack;
+  // IR the barrier does not compute: every device-data node it reads is held.
+  std::unordered_set<const Node*> kept_visited;
+  for (const torch::lazy::NodePtr& root : kept) {
+    if (!kept_visited.insert(root.get()).second) continue;
+    stack.push_back(root.get());
+    while (!stack.empty()) {
+      const Node* node = stack.back();
+      stack.pop_back();
+      if (node->op().op == device_data) held_nodes.insert(node);
+      for (const torch::lazy::Output& operand : node->operands()) {
+        if (operand.node && kept_visited.insert(operand.node).second) stack.push_back(operand.node);
+      }
+    }
+  }
   for (const torch::lazy::NodePtr& root : roots) {
     if (!visited.insert(root.get()).second) continue;
     stack.push_back(root.get());

@@ -17,7 +17,9 @@
 // cache holds scalars and 0-dim constants; the RNG seed has its holder), no
 // second node.  A device-data node that is itself a live tensor's IR value
 // (a copy made since the last barrier, which the barrier backs with that
-// buffer) is never dead.  The tricky case that the count cannot tell: none
+// buffer) is never dead, nor is one that the IR of a live tensor the barrier leaves
+// alone reads (a buffer and a non-device-data IR value at once: not seen in
+// the tests, guarded anyway).  The tricky case that the count cannot tell: none
 // known; every miss errs towards "held" (a buffer reached through two nodes
 // counts 3 and is kept).
 //
