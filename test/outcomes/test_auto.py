@@ -272,3 +272,32 @@ def test_python_m_advise_prints_the_table_for_a_script(tmp_path):
     line = next(i for i, text in enumerate(_LINES.splitlines(), 1) if "# LINE" in text)
     assert re.search(rf"3 +\[16, 16\] +float32 +{re.escape(str(script))}:{line}", proc.stderr), \
         proc.stderr
+
+
+def _train(dev, on):
+    """Three steps of an MLP with SGD momentum (in-place updates, autograd,
+    optimizer state): every value auto leaves alone or donates must match."""
+    torch.manual_seed(0)
+    # The batch has the first weight's shape: a donated batch would be reused.
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    model = model.to(dev)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    batch = torch.randn(8, 8).to(dev)
+    with _auto(on):
+        for _ in range(3):
+            opt.zero_grad()
+            model(batch).square().mean().backward()
+            opt.step()
+            tdx.settle()
+            torch_xla.sync()
+    xm.wait_device_ops()
+    tdx.settle()
+    state = [p.cpu() for p in model.parameters()]
+    state += [opt.state[p]["momentum_buffer"].cpu() for p in model.parameters()]
+    return state
+
+
+def test_a_training_loop_keeps_its_values_with_auto(dev):
+    plain = _train(dev, False)
+    donated = _train(dev, True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, donated))
