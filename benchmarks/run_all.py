@@ -28,6 +28,7 @@ BENCHMARKS = {
     "reads": ("bench_reads.py", [], ["--calls", "300"]),
     "crossings": ("bench_crossings.py", [], ["--steps", "2"]),
     "registry": ("bench_registry.py", [], ["--rounds", "5"]),
+    "auto": ("bench_auto.py", [], ["--rounds", "3"]),
 }
 # Tools a benchmark needs beyond Python: without them it is skipped, and says so.
 NEEDS = {"instructions": "valgrind", "reads": "valgrind"}

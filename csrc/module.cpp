@@ -8,6 +8,7 @@
 //   outcomes/  poison (the native twin of poison.py), record_tag (the record
 //              a poisoned TensorImpl carries), ownership (live objects)
 //   hooks/     commit (a step's batch helpers), trampoline (_C.Trampoline)
+//   auto/      dead_inputs (step inputs nothing else holds, found natively)
 //   lazy/      lazy_reads (torch_xla's answers read through torch's lazy-tensor
 //              headers), lazy_bindings (its lazy_* functions), live_tensors
 //              (torch_xla's registry of live tensors, walked)
@@ -22,6 +23,7 @@
 #include <utility>
 #include <vector>
 
+#include "auto/dead_inputs.h"
 #include "base/ledger.h"
 #include "base/py_types.h"
 #include "base/tensor_access.h"
@@ -120,6 +122,7 @@ PYBIND11_MODULE(_C, m) {
   RegisterTrampoline(m.ptr());
   RegisterLazyReads(m.ptr());
   RegisterLiveTensors(m.ptr());
+  RegisterDeadInputs(m.ptr());
 
   m.def(
       "mark",

@@ -110,8 +110,11 @@ from ._hooks import install as _install  # noqa: E402
 from ._marking.donating import donating  # noqa: E402
 from ._marking.tensor import donate_buffer, is_deleted, is_donated  # noqa: E402
 from ._marking.trees import donate, undonate  # noqa: E402
+from ._outcomes.advice import Advice, advise  # noqa: E402
 from ._outcomes.verdicts import settle  # noqa: E402
 from .errors import (  # noqa: E402
+    AutoDonationUnavailableError,
+    AutoDonationUnavailableWarning,
     DonatedBufferError,
     DonationDisabledWarning,
     DroppedDonationWarning,
@@ -131,6 +134,8 @@ __all__ = [
     "donate",
     "donating",
     "configure",
+    "advise",
+    "Advice",
     "settle",
     "last_step_report",
     "summary",
@@ -144,6 +149,8 @@ __all__ = [
     "DonationDisabledWarning",
     "StaleReadWarning",
     "ParameterDonationError",
+    "AutoDonationUnavailableError",
+    "AutoDonationUnavailableWarning",
 ]
 
 _install.install()

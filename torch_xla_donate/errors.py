@@ -5,6 +5,8 @@
 True
 """
 from ._base.errors import (
+    AutoDonationUnavailableError,
+    AutoDonationUnavailableWarning,
     DonatedBufferError,
     DonationDisabledWarning,
     DroppedDonationWarning,
@@ -22,4 +24,6 @@ __all__ = [
     "DonationDisabledWarning",
     "StaleReadWarning",
     "ParameterDonationError",
+    "AutoDonationUnavailableError",
+    "AutoDonationUnavailableWarning",
 ]

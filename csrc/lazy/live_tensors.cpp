@@ -57,6 +57,7 @@ uintptr_t NodeBuffer(const torch::lazy::Node* node) {
 void Describe(const LazyTensor::Data& data, LiveTensor* out) {
   *out = LiveTensor();
   out->tensor_id = data.unique_id;
+  out->data = Address(&data);
   out->handle = Address(data.handle.get());
   const torch::lazy::Node* node = data.ir_value.node.get();
   out->ir_node = Address(node);

@@ -47,6 +47,8 @@ struct LiveTensor {
   // Without a handle: the buffer that device_data node holds (a copy made
   // since the last barrier reads its source's); 0 otherwise.
   uintptr_t device_data_buffer = 0;
+  // The LazyTensor::Data itself: alive for the duration of the visit only.
+  uintptr_t data = 0;
 };
 
 // Accepts `arena` as torch_xla's DeviceContextArena when the object there

@@ -64,7 +64,8 @@ def _assert_next_step_consumes(t):
 
 def test_configure_returns_the_previous_values_and_restores_them():
     before = tdx.configure()
-    assert before == {"strict": config.strict(), "enabled": config.enabled()}
+    assert before == {"strict": config.strict(), "enabled": config.enabled(),
+                      "auto": config.auto()}
     flipped = {name: not value for name, value in before.items()}
     previous = tdx.configure(**flipped)
     assert previous == before
@@ -74,7 +75,7 @@ def test_configure_returns_the_previous_values_and_restores_them():
 
 
 @pytest.mark.parametrize("bad", [1, 0, "yes", None.__class__, [True]])
-@pytest.mark.parametrize("name", ["strict", "enabled"])
+@pytest.mark.parametrize("name", ["strict", "enabled", "auto"])
 def test_configure_refuses_anything_but_a_bool(name, bad):
     before = tdx.configure()
     with pytest.raises(TypeError, match=f"configure\\({name}=...\\) expects True or False"):
@@ -326,14 +327,14 @@ def probes():
 
 def test_env_strict_turns_the_warning_into_an_error(probes):
     lines = probes["strict"]
-    assert "{'strict': True, 'enabled': True}" in lines["config"]
+    assert "{'strict': True, 'enabled': True, 'auto': False}" in lines["config"]
     assert "unusable: UnusedDonationError [] x [0.0, 1.0, 2.0] marked 0" in lines["unusable"]
     assert "usable: consumed [] new [2.0, 2.0, 2.0, 2.0]" in lines["usable"]
 
 
 def test_env_disable_switches_donation_off_with_one_warning(probes):
     lines = probes["disable"]
-    assert "{'strict': True, 'enabled': False}" in lines["config"]
+    assert "{'strict': True, 'enabled': False, 'auto': False}" in lines["config"]
     # Disabled wins: nothing is marked, so nothing can be unusable either.
     assert "unusable: no error ['DonationDisabledWarning'] x [0.0, 1.0, 2.0] marked 0" in lines["unusable"]
     assert "usable: kept [] new [2.0, 2.0, 2.0, 2.0]" in lines["usable"]
@@ -341,14 +342,14 @@ def test_env_disable_switches_donation_off_with_one_warning(probes):
 
 def test_env_zero_leaves_the_defaults(probes):
     lines = probes["zero"]
-    assert "{'strict': False, 'enabled': True}" in lines["config"]
+    assert "{'strict': False, 'enabled': True, 'auto': False}" in lines["config"]
     assert "unusable: no error ['UnusedDonationWarning'] x [0.0, 1.0, 2.0] marked 0" in lines["unusable"]
     assert "usable: consumed [] new [2.0, 2.0, 2.0, 2.0]" in lines["usable"]
 
 
 def test_env_check_sharing_is_retired_and_warned(probes):
     lines = probes["check sharing"]
-    assert "{'strict': False, 'enabled': True}" in lines["config"]
+    assert "{'strict': False, 'enabled': True, 'auto': False}" in lines["config"]
     assert "TORCH_XLA_DONATE_CHECK_SHARING is retired and ignored" in lines["stderr"]
     assert "usable: consumed [] new [2.0, 2.0, 2.0, 2.0]" in lines["usable"]
 

@@ -9,6 +9,8 @@ Both can be set by environment variable (read at import) or by
 * ``TORCH_XLA_DONATE_DISABLE=1`` / ``configure(enabled=False)``: for
   debugging, ``donate_buffer`` checks its argument and then does nothing,
   warning once.  Nothing is donated or poisoned.
+* ``TORCH_XLA_DONATE_AUTO=1`` / ``configure(auto=True)``: each step barrier
+  also donates the step inputs nothing else holds any more (_outcomes/auto.py).
 
 Retired: ``configure(check_sharing=...)`` and ``TORCH_XLA_DONATE_CHECK_SHARING``
 are accepted and ignored with a ``DeprecationWarning``: who else holds a
@@ -23,7 +25,7 @@ import os
 import threading
 import warnings
 
-__all__ = ["configure", "strict", "enabled"]
+__all__ = ["configure", "strict", "enabled", "auto"]
 
 _lock = threading.Lock()
 
@@ -35,6 +37,7 @@ def _env_flag(name: str) -> bool:
 _state = {
     "strict": _env_flag("TORCH_XLA_DONATE_STRICT"),
     "enabled": not _env_flag("TORCH_XLA_DONATE_DISABLE"),
+    "auto": _env_flag("TORCH_XLA_DONATE_AUTO"),
 }
 
 _CHECK_SHARING_RETIRED = (
@@ -53,7 +56,7 @@ changed_listeners = []
 
 
 def configure(*, strict: bool | None = None, enabled: bool | None = None,
-              check_sharing=None) -> dict:
+              check_sharing=None, auto: bool | None = None) -> dict:
     """Sets the switches given; None leaves one as it is.
 
     Args:
@@ -62,6 +65,8 @@ def configure(*, strict: bool | None = None, enabled: bool | None = None,
       enabled: False switches donation off (marking checks and does nothing).
       check_sharing: retired: accepted and ignored with a
         ``DeprecationWarning`` (ownership is always checked).
+      auto: at each step barrier also donate the step inputs nothing else
+        holds (_outcomes/auto.py); off by default.
 
     Returns:
       The previous values, so ``configure(**previous)`` restores them.
@@ -72,7 +77,7 @@ def configure(*, strict: bool | None = None, enabled: bool | None = None,
     if check_sharing is not None:
         warnings.warn(_CHECK_SHARING_RETIRED.format(what="configure(check_sharing=...)"),
                       DeprecationWarning, stacklevel=2)
-    given = {"strict": strict, "enabled": enabled}
+    given = {"strict": strict, "enabled": enabled, "auto": auto}
     for name, value in given.items():
         if value is not None and not isinstance(value, bool):
             raise TypeError(f"configure({name}=...) expects True or False, got {value!r}")
@@ -93,3 +98,7 @@ def strict() -> bool:
 def enabled() -> bool:
     return _state["enabled"]
 
+
+
+def auto() -> bool:
+    return _state["auto"]

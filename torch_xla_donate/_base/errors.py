@@ -64,3 +64,16 @@ class ParameterDonationError(ValueError):
     """A model parameter or buffer was marked for donation before
     ``gradient_accumulation``, which would destroy it.  Raised before
     anything runs; the marks are left as they were."""
+
+
+class AutoDonationUnavailableError(RuntimeError):
+    """``advise()`` cannot find dead step inputs in this process: the native
+    reads are off (``TORCH_XLA_DONATE_NATIVE_READS=0``), torch_xla's
+    live-tensor registry was not found, SPMD is on, or more than one device
+    runs in the process.  The message says which; donate explicitly."""
+
+
+class AutoDonationUnavailableWarning(UserWarning):
+    """``configure(auto=True)`` (``TORCH_XLA_DONATE_AUTO=1``) does nothing in
+    this process, for a reason ``AutoDonationUnavailableError`` lists.
+    Given once."""

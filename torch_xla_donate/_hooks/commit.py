@@ -53,8 +53,8 @@ from .._base.errors import DroppedDonationWarning
 from .._base.lock import lock
 from .._base.messages import Notices
 from .._base.native import C
+from .._outcomes import auto, failures, ownership, sharing, verdicts
 from .._outcomes import devices as _devices
-from .._outcomes import failures, ownership, sharing, verdicts
 
 __all__ = ["barrier_before", "barrier_after", "decide", "undecided", "split", "arm", "finish",
            "flush_before", "flush_after"]
@@ -65,7 +65,7 @@ class _Commit:
     donors whose flags are armed, and the warnings held back until the
     commit is whole (messages.Notices)."""
 
-    __slots__ = ("device", "step", "donors", "wait", "notices", "inplace_calls")
+    __slots__ = ("device", "step", "donors", "wait", "notices", "inplace_calls", "auto")
 
     def __init__(self, device, step, donors, wait, notices):
         self.device, self.step, self.donors, self.wait = device, step, donors, wait
@@ -73,6 +73,7 @@ class _Commit:
         # torch_xla's in-place functions run so far: this barrier syncs what
         # they left pending (marking's fast path stops asking once it ran).
         self.inplace_calls = C.inplace_calls()
+        self.auto = None  # dead inputs armed with the donors (_outcomes/auto.py)
 
 
 _FLUSH = object()  # a barrier that commits nothing
@@ -90,6 +91,8 @@ def barrier_before(device="", devices=(), wait=True, reset_scope=True, *, commit
     check that cannot decide drops the step's marks (values kept) with a
     ``DroppedDonationWarning`` given after the barrier.
     """
+    if commits:
+        auto.prepare()  # once, outside the lock: the reads' self-test runs graphs
     lock.acquire()
     try:
         fast_path.refresh()
@@ -106,7 +109,15 @@ def barrier_before(device="", devices=(), wait=True, reset_scope=True, *, commit
         except Exception as error:  # the plugin's own check failed, not the step
             donors = undecided(tensors, records, error, notices)
         del tensors, records  # from here on only the entries refer to them
-        return _Commit(here, step, donors, wait, notices)
+        token = _Commit(here, step, donors, wait, notices)
+        if not abandon:
+            try:
+                token.auto = auto.at_commit(here)
+            except Exception as error:  # never in the user's way: nothing armed
+                notices.add(DroppedDonationWarning, "Automatic donation skipped a step{at_step}"
+                            f"{{items}}: {type(error).__name__}: {auto.braces_safe(error)}. Please "
+                            "report this.", [])
+        return token
     except BaseException:
         lock.release()
         raise
@@ -156,6 +167,7 @@ def barrier_after(token, result, error):
         if token is _FLUSH:
             return result
         if error is not None:
+            auto.abandon(token.auto)
             C.disarm(token.donors)
             failures.note_failure()
             verdicts.failed(token.donors)
@@ -165,6 +177,7 @@ def barrier_after(token, result, error):
             C.barrier_passed(token.inplace_calls)
         _devices.dispatched(token.device, token.step if token.wait else token.step - 1)
         finish(token.device, token.donors, token.notices, certain=token.wait)
+        auto.after_graph(token.auto)
         return result
     finally:
         lock.release()

@@ -53,11 +53,11 @@ import warnings
 
 from .._base import arena, reads, xla, xla_cpu
 from .._base.native import C
-from . import verdicts
+from . import auto, verdicts
 
 # What a report is (its dataclasses) lives in step_report.py; here, where
 # its numbers come from and where they go.
-from .step_report import StepReport, Summary
+from .step_report import StepReport, Summary, _size
 
 __all__ = [
     "StepReport",
@@ -119,6 +119,7 @@ def summary() -> Summary:
         cpu_guard=xla_cpu.describe(),
         reads=reads.path(),
         live_tensors=arena.state(),
+        auto=auto.describe_totals(_size),
     )
 
 

@@ -128,6 +128,8 @@ class Summary:
     # donating step: "in use", "off (<why>)" or "not decided yet"
     # (_base/arena.py); off, every barrier's donors are searched in Python.
     live_tensors: str = ""
+    # Automatic donation of dead step inputs (auto.py), in words; "" if none.
+    auto: str = ""
 
     @property
     def unused_shapes(self) -> Counter:
@@ -165,6 +167,8 @@ class Summary:
             lines += [f"    {r}" for r in self.history[-5:]]
         if self.cpu_guard:
             lines.append(f"  XLA:CPU: {self.cpu_guard}")
+        if self.auto:
+            lines.append(f"  automatic: {self.auto}")
         if self.live_tensors:
             lines.append(f"  live-tensor registry walk: {self.live_tensors}")
         if self.reads:

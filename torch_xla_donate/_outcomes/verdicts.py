@@ -38,7 +38,7 @@ graph (commit.py), so an unused donation cannot fire at a later step.
 from .._base import reads, xla
 from .._base.lock import lock
 from .._base.native import C
-from . import devices, failures, ownership, poison, unused
+from . import auto, devices, failures, ownership, poison, unused
 
 __all__ = ["after_commit", "settle", "settle_one", "abandon", "failed", "settled_listeners",
            "notify_settled"]
@@ -191,6 +191,7 @@ def settle() -> None:
     global _in_flight
     if xla.runtime_started():
         ownership.settle_autograd(devices.barrier_device(""))
+    auto.settle()
     with lock:
         entries, _in_flight = _in_flight, []
     if not entries:

@@ -1,0 +1,269 @@
+// See dead_inputs.h.  Walks torch_xla's live tensors through
+// lazy/live_tensors.h (ForEachLiveTensor) and reads Python tensors through
+// lazy/lazy_tensor_of.h; getBackend() and the Node methods it calls live in
+// libtorch_cpu; GetComputationDataFromNode, HasValue and ToString are
+// virtual calls into torch_xla.
+#include "auto/dead_inputs.h"
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/lazy/backend/backend_interface.h>
+#include <torch/csrc/lazy/core/ir.h>
+#include <torch/csrc/lazy/core/lazy_graph_executor.h>
+#include <torch/csrc/lazy/core/tensor.h>
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <typeinfo>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#include "base/tensor_access.h"
+#include "lazy/lazy_tensor_of.h"
+#include "lazy/live_tensors.h"
+
+namespace py = pybind11;
+
+namespace torch_xla_donate {
+namespace {
+
+using torch::lazy::BackendDataPtr;
+using torch::lazy::LazyTensor;
+using torch::lazy::Node;
+
+// torch_xla's XLATensor::Data (torch_xla/csrc/tensor.h, 2.7-2.9): torch's
+// Data, then these members.  Read only for `alias_id` (the id torch_xla's
+// own step-barrier aliasing matches input buffers with), after the object's
+// RTTI name is checked and _outcomes/auto.py's self-test agreed with
+// `_get_xla_tensor_debug_info`.
+struct XlaDataMirror : LazyTensor::Data {
+  std::shared_ptr<void> view;
+  std::optional<at::ScalarType> logical_element_type;
+  std::shared_ptr<void> sharding;
+  int64_t alias_id{0};
+  bool is_cloned = false;
+};
+constexpr char kXlaDataName[] = "torch_xla::XLATensor::Data";
+std::atomic<const void*> g_xla_data_vtable{nullptr};
+std::atomic<bool> g_alias_reads{false};
+
+// The alias id of `data`, or -1 when it is no XLATensor::Data.
+int64_t AliasId(const LazyTensor::Data& data) {
+  const void* vtable = *reinterpret_cast<const void* const*>(&data);
+  if (vtable != g_xla_data_vtable.load(std::memory_order_acquire)) {
+    if (Demangled(typeid(data).name()) != kXlaDataName) return -1;
+    g_xla_data_vtable.store(vtable, std::memory_order_release);
+  }
+  return static_cast<const XlaDataMirror&>(data).alias_id;
+}
+
+// The LazyTensor behind a Python XLA tensor (lazy_reads' guarded read), or
+// nullptr.
+LazyTensor* LazyOfTensor(py::handle t) {
+  const uintptr_t address = ImplAddress(t.ptr());
+  bool functional = false;
+  return address == 0 ? nullptr : XlaLazyTensorOf(address, &functional);
+}
+
+// One dead input: its buffer (held here from the search to its verdict)
+// and what describes it.
+struct Dead {
+  BackendDataPtr buffer;
+  std::string node_text;  // the device-data node's ToString (its xla_shape)
+  std::vector<std::tuple<std::string, std::string, int>> frames;  // file, function, line
+};
+
+// The result of one search, and of arming it.  Python keeps it from the
+// commit that armed it to its verdict (reused: the buffer has no value).
+class DeadInputs {
+ public:
+  size_t live = 0, pending = 0, nodes = 0;
+  size_t aliased = 0;  // dead, but torch_xla's own aliasing reuses them
+  double seconds = 0;
+  std::vector<Dead> dead;
+
+  size_t Size() const { return dead.size(); }
+
+  // (node text, frames) per dead input.
+  py::list Describe() const {
+    py::list out;
+    for (const Dead& d : dead) out.append(py::make_tuple(d.node_text, py::cast(d.frames)));
+    return out;
+  }
+
+  // Points `carrier`'s handle at each buffer in turn and calls
+  // set_donation(carrier, flag); the carrier's own handle is restored after
+  // every call, also when it raises.  Returns how many torch_xla accepted.
+  size_t Arm(py::handle carrier, py::handle set_donation, bool flag) {
+    LazyTensor* lazy = LazyOfTensor(carrier);
+    if (lazy == nullptr) throw py::type_error("the carrier is no XLA tensor");
+    const std::shared_ptr<LazyTensor::Data>& data = lazy->data();
+    size_t accepted = 0;
+    for (Dead& d : dead) {
+      BackendDataPtr own = data->handle;
+      data->handle = d.buffer;
+      py::object ok;
+      try {
+        ok = set_donation(carrier, flag);
+      } catch (...) {
+        data->handle = std::move(own);
+        throw;
+      }
+      data->handle = std::move(own);
+      if (ok.ptr() == Py_True) ++accepted;
+    }
+    return accepted;
+  }
+
+  // Per dead input: its buffer has no value any more (the step took it).
+  std::vector<bool> Consumed() const {
+    std::vector<bool> out;
+    out.reserve(dead.size());
+    for (const Dead& d : dead) out.push_back(d.buffer && !d.buffer->HasValue());
+    return out;
+  }
+
+  // Keeps the dead inputs whose `mask` entry is true, releases the others.
+  void Keep(const std::vector<bool>& mask) {
+    if (mask.size() != dead.size()) throw py::value_error("mask differs in length");
+    std::vector<Dead> kept;
+    for (size_t i = 0; i < dead.size(); ++i) {
+      if (mask[i]) kept.push_back(std::move(dead[i]));
+    }
+    dead = std::move(kept);
+  }
+
+  void Release() { dead.clear(); }
+};
+
+// The search: see dead_inputs.h.  `describe`: keep each dead node's text
+// and source frames (torch lazy IR metadata; frames only with XLA_IR_DEBUG).
+std::unique_ptr<DeadInputs> FindDeadInputs(bool describe) {
+  if (!g_alias_reads.load(std::memory_order_acquire)) {
+    throw py::value_error("alias ids are not readable (the self-test did not pass)");
+  }
+  const auto start = std::chrono::steady_clock::now();
+  auto out = std::make_unique<DeadInputs>();
+  const c10::Symbol device_data = DeviceDataOp();
+  // The pending tensors' IR nodes, owned: the walk keeps each Data alive
+  // only while it is visited.
+  std::vector<torch::lazy::NodePtr> roots, kept;
+  std::unordered_set<const Node*> held_nodes;  // device-data nodes live tensors hold
+  std::unordered_set<int64_t> outputs;         // alias ids of the pending tensors
+  bool walked = false;
+  {
+    py::gil_scoped_release no_gil;  // the registry's lock is taken
+    walked = ForEachLiveTensor([&](const LiveTensor& t) {
+      ++out->live;
+      if (t.ir_node == 0) return;
+      if (t.ir_is_device_data) {
+        held_nodes.insert(reinterpret_cast<const Node*>(t.ir_node));
+      } else if (t.handle == 0) {
+        // Pending: the barrier computes it.  Its Data is alive here.
+        const auto& data = *reinterpret_cast<const LazyTensor::Data*>(t.data);
+        roots.push_back(data.ir_value.node);
+        outputs.insert(AliasId(data));
+      } else {
+        // A buffer and an IR value that is not device data: the barrier
+        // leaves it as it is, so whatever its IR reads stays needed.
+        kept.push_back(reinterpret_cast<const LazyTensor::Data*>(t.data)->ir_value.node);
+      }
+    });
+  }
+  if (!walked) throw py::value_error("the live-tensor registry walk is off");
+  out->pending = roots.size();
+  // Post-order walk of the roots' IR down to device data.
+  const torch::lazy::BackendImplInterface* backend = torch::lazy::getBackend();
+  std::unordered_set<const Node*> visited;
+  std::unordered_set<const torch::lazy::BackendData*> seen;
+  std::vector<const Node*> stack;
+  // IR the barrier does not compute: every device-data node it reads is held.
+  std::unordered_set<const Node*> kept_visited;
+  for (const torch::lazy::NodePtr& root : kept) {
+    if (!kept_visited.insert(root.get()).second) continue;
+    stack.push_back(root.get());
+    while (!stack.empty()) {
+      const Node* node = stack.back();
+      stack.pop_back();
+      if (node->op().op == device_data) held_nodes.insert(node);
+      for (const torch::lazy::Output& operand : node->operands()) {
+        if (operand.node && kept_visited.insert(operand.node).second) stack.push_back(operand.node);
+      }
+    }
+  }
+  for (const torch::lazy::NodePtr& root : roots) {
+    if (!visited.insert(root.get()).second) continue;
+    stack.push_back(root.get());
+    while (!stack.empty()) {
+      const Node* node = stack.back();
+      stack.pop_back();
+      ++out->nodes;
+      if (node->op().op == device_data) {
+        if (held_nodes.count(node)) continue;
+        BackendDataPtr buffer = backend->GetComputationDataFromNode(node);
+        if (!buffer || !seen.insert(buffer.get()).second) continue;
+        // The node's own holder and this copy: nothing else.
+        if (buffer.use_count() != 2 || !buffer->HasValue()) continue;
+        // An input torch_xla aliases to an output itself (an in-place
+        // update: the output keeps the input's alias id): nothing to add.
+        auto* info = dynamic_cast<torch::lazy::LazyGraphExecutor::DeviceDataInfo*>(buffer->info());
+        if (info != nullptr && !info->read_only && outputs.count(info->tensor_id)) {
+          ++out->aliased;
+          continue;
+        }
+        Dead d;
+        d.buffer = std::move(buffer);
+        d.node_text = node->ToString();
+        if (describe) {
+          for (const auto& f : node->metadata().frame_info) {
+            d.frames.emplace_back(f.file, f.function, f.line);
+          }
+        }
+        out->dead.push_back(std::move(d));
+        continue;
+      }
+      for (const torch::lazy::Output& operand : node->operands()) {
+        if (operand.node && visited.insert(operand.node).second) stack.push_back(operand.node);
+      }
+    }
+  }
+  out->seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return out;
+}
+
+}  // namespace
+
+void RegisterDeadInputs(PyObject* module) {
+  py::module_ m = py::reinterpret_borrow<py::module_>(module);
+  py::class_<DeadInputs>(m, "DeadInputs")
+      .def("__len__", &DeadInputs::Size)
+      .def_readonly("live", &DeadInputs::live, "live XLA tensors walked")
+      .def_readonly("pending", &DeadInputs::pending, "of them pending (the IR roots)")
+      .def_readonly("nodes", &DeadInputs::nodes, "IR nodes visited")
+      .def_readonly("aliased", &DeadInputs::aliased, "dead inputs torch_xla aliases itself")
+      .def_readonly("seconds", &DeadInputs::seconds, "time the search took")
+      .def("describe", &DeadInputs::Describe)
+      .def("arm", &DeadInputs::Arm, py::arg("carrier"), py::arg("set_donation"), py::arg("flag"))
+      .def("consumed", &DeadInputs::Consumed)
+      .def("keep", &DeadInputs::Keep, py::arg("mask"))
+      .def("release", &DeadInputs::Release);
+  m.def(
+      "xla_alias_id",
+      [](py::handle t) -> int64_t {
+        LazyTensor* lazy = LazyOfTensor(t);
+        return lazy == nullptr ? -1 : AliasId(*lazy->data());
+      },
+      py::arg("t"), "torch_xla's alias id of an XLA tensor (-1: not readable).");
+  m.def(
+      "set_alias_reads", [](bool on) { g_alias_reads.store(on, std::memory_order_release); },
+      py::arg("on"));
+  m.def("find_dead_inputs", &FindDeadInputs, py::arg("describe") = false,
+        "The device buffers the pending IR reads that nothing else holds (dead_inputs.h).");
+}
+
+}  // namespace torch_xla_donate

@@ -1,0 +1,303 @@
+"""Automatic donation of dead step inputs and the advisor
+(_outcomes/auto.py, _outcomes/advice.py, csrc/auto/dead_inputs.h).
+
+The tricky case: a dead input has no Python object; only the step's IR
+holds its buffer.  Evidence here is the buffer itself: the new values sit
+in the old buffers (device pointers), the old buffers are consumed, the
+values equal a run without donation.
+"""
+import contextlib
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch_xla
+import torch_xla.core.xla_model as xm
+from helpers import buffer_ptr, materialize, run_python
+
+import torch_xla_donate as tdx
+from torch_xla_donate._outcomes import auto
+
+N, SHAPE = 4, (64, 64)
+INPUTS = [torch.arange(64 * 64, dtype=torch.float32).reshape(SHAPE) / (i + 1) for i in range(N)]
+
+CONTEXTS = {
+    "plain": contextlib.nullcontext,
+    "no_grad": torch.no_grad,
+    "step block": torch_xla.step,
+}
+
+
+def _update(xs):
+    return [x * 0.5 + 1 for x in xs]
+
+
+def _fresh(dev):
+    return list(materialize(*[t.to(dev) for t in INPUTS]))
+
+
+def _plain_values(dev):
+    """The loop's values without any donation."""
+    xs = _update(_fresh(dev))
+    tdx.settle()
+    torch_xla.sync()
+    return [x.cpu() for x in xs]
+
+
+@contextlib.contextmanager
+def _auto(on=True):
+    old = tdx.configure(auto=on)
+    try:
+        yield
+    finally:
+        tdx.configure(**old)
+
+
+def _step(box, context):
+    """One step of the functional loop on ``box[0]`` (the caller keeps no
+    other reference) in ``context``, ended by a barrier."""
+    with context():
+        xs = _update(box.pop())
+        if context is not torch_xla.step:
+            torch_xla.sync()
+    xm.wait_device_ops()
+    tdx.settle()
+    return xs
+
+
+def _armed():
+    t = auto.totals()
+    return t["armed"], t["reused"]
+
+
+@pytest.mark.parametrize("context", list(CONTEXTS.values()), ids=list(CONTEXTS))
+def test_every_dead_input_is_reused(dev, context):
+    expected = _plain_values(dev)
+    xs = _fresh(dev)
+    old = {buffer_ptr(x) for x in xs}
+    armed, reused = _armed()
+    with _auto():
+        box = [xs]
+        del xs
+        xs = _step(box, context)
+    assert _armed() == (armed + N, reused + N)
+    assert {buffer_ptr(x) for x in xs} == old  # the new values in the old buffers
+    assert all(torch.equal(x.cpu(), e) for x, e in zip(xs, expected))
+    assert "automatic: " in str(tdx.summary())
+
+
+HOLDERS = {
+    "a Python name": lambda x: x,
+    "an autograd graph": lambda x: (x * torch.ones_like(x).requires_grad_()).sum(),
+    "an optimizer": lambda x: torch.optim.SGD([torch.nn.Parameter(x)], lr=0.1),
+    "a view": lambda x: x[0],
+}
+
+
+@pytest.mark.parametrize("holder", list(HOLDERS))
+@pytest.mark.parametrize("advising", [False, True], ids=["auto", "advise"])
+def test_an_input_still_held_is_kept_and_not_listed(dev, holder, advising):
+    expected = _plain_values(dev)
+    xs = _fresh(dev)
+    kept_value = xs[0].cpu()
+    held = HOLDERS[holder](xs[0])
+    kept_ptr = buffer_ptr(xs[0])
+    armed, reused = _armed()
+    with (tdx.advise() if advising else _auto()) as advice:
+        box = [xs]
+        del xs
+        xs = _step(box, contextlib.nullcontext)
+    if advising:
+        assert sum(e.count for e in advice.entries) == N - 1
+        assert _armed() == (armed, reused)
+    else:
+        assert _armed() == (armed + N - 1, reused + N - 1)
+        assert kept_ptr not in {buffer_ptr(x) for x in xs}
+    assert all(torch.equal(x.cpu(), e) for x, e in zip(xs, expected))
+    assert held is not None
+    if holder == "a Python name":
+        assert torch.equal(held.cpu(), kept_value)
+
+
+def test_the_advisor_lists_without_donating(dev):
+    xs = _fresh(dev)
+    old = {buffer_ptr(x) for x in xs}
+    armed = _armed()
+    with _auto(), tdx.advise() as advice:  # an open advisor pauses auto
+        box = [xs]
+        del xs
+        xs = _step(box, contextlib.nullcontext)
+    assert _armed() == armed
+    assert not old & {buffer_ptr(x) for x in xs}
+    assert advice.steps == 1 and advice.bytes == N * INPUTS[0].nbytes
+    (entry,) = advice.entries
+    assert (entry.shape, entry.dtype, entry.count) == (SHAPE, torch.float32, N)
+    assert "tdx.donate" in str(advice) and "[64, 64]" in str(advice)
+
+
+NOTHING_TO_GAIN = {
+    "updated in place": lambda xs: [x.mul_(0.5).add_(1) for x in xs],
+    "old values kept": lambda xs: xs + _update(xs),
+    "0-dim values": lambda xs: [x.sum() * 0.5 for x in xs],
+}
+
+
+@pytest.mark.parametrize("loop", list(NOTHING_TO_GAIN))
+def test_the_advisor_on_a_loop_with_nothing_to_gain_is_empty(dev, loop):
+    xs = _fresh(dev)
+    if loop == "0-dim values":
+        xs = list(materialize(*[x.sum() for x in xs]))
+    with tdx.advise() as advice:
+        for _ in range(2):
+            xs = NOTHING_TO_GAIN[loop](xs)
+            torch_xla.sync()
+    assert advice.steps == 2
+    assert advice.entries == [] and advice.bytes == 0
+    assert "nothing to donate" in str(advice)
+
+
+def test_auto_off_donates_nothing(dev):
+    xs = _fresh(dev)
+    old = {buffer_ptr(x) for x in xs}
+    armed = _armed()
+    with _auto(False):
+        box = [xs]
+        del xs
+        xs = _step(box, contextlib.nullcontext)
+    assert _armed() == armed
+    assert not old & {buffer_ptr(x) for x in xs}
+
+
+def test_a_partial_sync_arms_nothing(dev):
+    xs = _fresh(dev)
+    old = {buffer_ptr(x) for x in xs}
+    armed = _armed()
+    with _auto():
+        xs = _update(xs)
+        xm.unlazy(xs[:2])  # _xla_sync_multi: part of the pending work
+        xm.wait_device_ops()
+        assert _armed() == armed
+        assert not old & {buffer_ptr(x) for x in xs[:2]}
+        box = [xs]
+        del xs
+        xs = _step(box, contextlib.nullcontext)
+
+
+def test_explicit_marks_and_dead_inputs_share_the_commit(dev):
+    expected = _plain_values(dev)
+    xs = _fresh(dev)
+    old = {buffer_ptr(x) for x in xs}
+    armed, reused = _armed()
+    with _auto():
+        tdx.donate_buffer(xs[0])
+        box = [xs]
+        del xs
+        xs = _step(box, contextlib.nullcontext)
+    assert _armed() == (armed + N - 1, reused + N - 1)  # the marked one is no dead input
+    assert tdx.last_step_report().reused == 1
+    assert {buffer_ptr(x) for x in xs} == old
+    assert all(torch.equal(x.cpu(), e) for x, e in zip(xs, expected))
+
+
+def test_under_torch_compile_values_are_kept(dev):
+    expected = _plain_values(dev)
+    f = torch.compile(lambda x: x * 0.5 + 1, backend="openxla")
+    xs = _fresh(dev)
+    with _auto():
+        xs = [f(x) for x in xs]
+        torch_xla.sync()
+        xm.wait_device_ops()
+    assert all(torch.equal(x.cpu(), e) for x, e in zip(xs, expected))
+
+
+_UNAVAILABLE = """
+import warnings
+import torch, torch_xla
+import torch_xla_donate as tdx
+dev = torch_xla.device()
+try:
+    with tdx.advise():
+        pass
+except tdx.AutoDonationUnavailableError as e:
+    print("raised:", e)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    xs = [torch.ones(8, 8).to(dev) for _ in range(2)]
+    torch_xla.sync()
+    xs = [x * 2 for x in xs]
+    torch_xla.sync()
+print("warned:", [str(w.message) for w in caught
+                  if issubclass(w.category, tdx.AutoDonationUnavailableWarning)])
+print("summary:", tdx.summary().auto == "")
+"""
+
+
+def test_without_native_reads_auto_and_advise_say_so():
+    out = run_python(_UNAVAILABLE, env={"TORCH_XLA_DONATE_NATIVE_READS": "0",
+                                        "TORCH_XLA_DONATE_AUTO": "1"}).stdout
+    assert "raised: " in out and "TORCH_XLA_DONATE_NATIVE_READS=0" in out
+    assert "warned: ['TORCH_XLA_DONATE_AUTO" in out
+    assert "summary: True" in out
+
+
+_LINES = """
+import torch, torch_xla
+import torch_xla_donate as tdx
+xs = [torch.ones(16, 16).to(torch_xla.device()) for _ in range(3)]
+torch_xla.sync()
+with tdx.advise() as advice:
+    xs = [x * 2 for x in xs]  # LINE
+    torch_xla.sync()
+print("lines:", [e.line for e in advice.entries])
+"""
+
+
+def test_with_ir_debug_the_advisor_names_the_line():
+    out = run_python(_LINES, env={"XLA_IR_DEBUG": "1"}).stdout
+    line = next(i for i, text in enumerate(_LINES.splitlines(), 1) if "# LINE" in text)
+    assert f"lines: ['<string>:{line}']" in out or f":{line}'" in out, out
+
+
+def test_python_m_advise_prints_the_table_for_a_script(tmp_path):
+    script = tmp_path / "loop.py"
+    script.write_text(_LINES.replace("with tdx.advise() as advice:", "if True:")
+                      .replace('print("lines:", [e.line for e in advice.entries])', ""))
+    proc = subprocess.run([sys.executable, "-m", "torch_xla_donate", "advise", str(script)],
+                          env=dict(os.environ, PJRT_DEVICE="CPU", XLA_IR_DEBUG="1"),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    line = next(i for i, text in enumerate(_LINES.splitlines(), 1) if "# LINE" in text)
+    assert re.search(rf"3 +\[16, 16\] +float32 +{re.escape(str(script))}:{line}", proc.stderr), \
+        proc.stderr
+
+
+def _train(dev, on):
+    """Three steps of an MLP with SGD momentum (in-place updates, autograd,
+    optimizer state): every value auto leaves alone or donates must match."""
+    torch.manual_seed(0)
+    # The batch has the first weight's shape: a donated batch would be reused.
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    model = model.to(dev)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    batch = torch.randn(8, 8).to(dev)
+    with _auto(on):
+        for _ in range(3):
+            opt.zero_grad()
+            model(batch).square().mean().backward()
+            opt.step()
+            tdx.settle()
+            torch_xla.sync()
+    xm.wait_device_ops()
+    tdx.settle()
+    state = [p.cpu() for p in model.parameters()]
+    state += [opt.state[p]["momentum_buffer"].cpu() for p in model.parameters()]
+    return state
+
+
+def test_a_training_loop_keeps_its_values_with_auto(dev):
+    plain = _train(dev, False)
+    donated = _train(dev, True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, donated))

@@ -1,0 +1,29 @@
+"""``python -m torch_xla_donate advise script.py [args...]``: runs the script
+with the advisor open around all of it (``tdx.advise()``), then prints the
+advice: the step inputs that were dead at its step barriers, largest first,
+with the annotation to add.  Nothing is donated.  Set ``XLA_IR_DEBUG=1`` for
+the lines."""
+import runpy
+import sys
+
+USAGE = "usage: python -m torch_xla_donate advise script.py [args...]"
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) < 2 or argv[0] != "advise":
+        print(USAGE, file=sys.stderr)
+        return 2
+    import torch_xla_donate as tdx
+
+    script, sys.argv = argv[1], argv[1:]
+    with tdx.advise() as advice:
+        try:
+            runpy.run_path(script, run_name="__main__")
+        finally:
+            print(advice, file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
