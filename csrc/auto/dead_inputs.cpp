@@ -12,13 +12,10 @@
 #include <torch/csrc/lazy/core/lazy_graph_executor.h>
 #include <torch/csrc/lazy/core/tensor.h>
 
-#include <atomic>
 #include <chrono>
 #include <memory>
-#include <optional>
 #include <string>
 #include <tuple>
-#include <typeinfo>
 #include <unordered_set>
 #include <utility>
 #include <vector>
@@ -35,32 +32,6 @@ namespace {
 using torch::lazy::BackendDataPtr;
 using torch::lazy::LazyTensor;
 using torch::lazy::Node;
-
-// torch_xla's XLATensor::Data (torch_xla/csrc/tensor.h, 2.7-2.9): torch's
-// Data, then these members.  Read only for `alias_id` (the id torch_xla's
-// own step-barrier aliasing matches input buffers with), after the object's
-// RTTI name is checked and _outcomes/auto.py's self-test agreed with
-// `_get_xla_tensor_debug_info`.
-struct XlaDataMirror : LazyTensor::Data {
-  std::shared_ptr<void> view;
-  std::optional<at::ScalarType> logical_element_type;
-  std::shared_ptr<void> sharding;
-  int64_t alias_id{0};
-  bool is_cloned = false;
-};
-constexpr char kXlaDataName[] = "torch_xla::XLATensor::Data";
-std::atomic<const void*> g_xla_data_vtable{nullptr};
-std::atomic<bool> g_alias_reads{false};
-
-// The alias id of `data`, or -1 when it is no XLATensor::Data.
-int64_t AliasId(const LazyTensor::Data& data) {
-  const void* vtable = *reinterpret_cast<const void* const*>(&data);
-  if (vtable != g_xla_data_vtable.load(std::memory_order_acquire)) {
-    if (Demangled(typeid(data).name()) != kXlaDataName) return -1;
-    g_xla_data_vtable.store(vtable, std::memory_order_release);
-  }
-  return static_cast<const XlaDataMirror&>(data).alias_id;
-}
 
 // The LazyTensor behind a Python XLA tensor (lazy_reads' guarded read), or
 // nullptr.
@@ -144,9 +115,6 @@ class DeadInputs {
 // The search: see dead_inputs.h.  `describe`: keep each dead node's text
 // and source frames (torch lazy IR metadata; frames only with XLA_IR_DEBUG).
 std::unique_ptr<DeadInputs> FindDeadInputs(bool describe) {
-  if (!g_alias_reads.load(std::memory_order_acquire)) {
-    throw py::value_error("alias ids are not readable (the self-test did not pass)");
-  }
   const auto start = std::chrono::steady_clock::now();
   auto out = std::make_unique<DeadInputs>();
   const c10::Symbol device_data = DeviceDataOp();
@@ -154,7 +122,7 @@ std::unique_ptr<DeadInputs> FindDeadInputs(bool describe) {
   // only while it is visited.
   std::vector<torch::lazy::NodePtr> roots, kept;
   std::unordered_set<const Node*> held_nodes;  // device-data nodes live tensors hold
-  std::unordered_set<int64_t> outputs;         // alias ids of the pending tensors
+  std::unordered_set<int64_t> outputs;         // ids of the pending tensors
   bool walked = false;
   {
     py::gil_scoped_release no_gil;  // the registry's lock is taken
@@ -167,7 +135,7 @@ std::unique_ptr<DeadInputs> FindDeadInputs(bool describe) {
         // Pending: the barrier computes it.  Its Data is alive here.
         const auto& data = *reinterpret_cast<const LazyTensor::Data*>(t.data);
         roots.push_back(data.ir_value.node);
-        outputs.insert(AliasId(data));
+        outputs.insert(data.unique_id);
       } else {
         // A buffer and an IR value that is not device data: the barrier
         // leaves it as it is, so whatever its IR reads stays needed.
@@ -209,8 +177,14 @@ std::unique_ptr<DeadInputs> FindDeadInputs(bool describe) {
         if (!buffer || !seen.insert(buffer.get()).second) continue;
         // The node's own holder and this copy: nothing else.
         if (buffer.use_count() != 2 || !buffer->HasValue()) continue;
-        // An input torch_xla aliases to an output itself (an in-place
-        // update: the output keeps the input's alias id): nothing to add.
+        // An input torch_xla aliases to an output itself: the buffer of a
+        // tensor updated in place without functionalization (the pending
+        // tensor is the one the buffer was made for).  Under
+        // functionalization the in-place result is a new tensor whose link
+        // to the buffer only torch_xla's own Data holds (not read here):
+        // such an input is armed too, which changes nothing (torch_xla
+        // merges both donor sets), and the advisor drops it once the step
+        // consumed it without being armed (_outcomes/auto.py).
         auto* info = dynamic_cast<torch::lazy::LazyGraphExecutor::DeviceDataInfo*>(buffer->info());
         if (info != nullptr && !info->read_only && outputs.count(info->tensor_id)) {
           ++out->aliased;
@@ -252,16 +226,6 @@ void RegisterDeadInputs(PyObject* module) {
       .def("consumed", &DeadInputs::Consumed)
       .def("keep", &DeadInputs::Keep, py::arg("mask"))
       .def("release", &DeadInputs::Release);
-  m.def(
-      "xla_alias_id",
-      [](py::handle t) -> int64_t {
-        LazyTensor* lazy = LazyOfTensor(t);
-        return lazy == nullptr ? -1 : AliasId(*lazy->data());
-      },
-      py::arg("t"), "torch_xla's alias id of an XLA tensor (-1: not readable).");
-  m.def(
-      "set_alias_reads", [](bool on) { g_alias_reads.store(on, std::memory_order_release); },
-      py::arg("on"));
   m.def("find_dead_inputs", &FindDeadInputs, py::arg("describe") = false,
         "The device buffers the pending IR reads that nothing else holds (dead_inputs.h).");
 }

@@ -51,14 +51,14 @@ class Advice:
     single step could have reused)."""
 
     def __init__(self):
-        self.steps = 0
-        self.bytes = 0
+        self._steps = 0
+        self._bytes = 0
         self._most = collections.Counter()  # (shape, dtype, line) -> most in one step
         self._size = {}
 
     def _record(self, inputs) -> None:
-        self.steps += 1
-        self.bytes = max(self.bytes, sum(i.nbytes for i in inputs))
+        self._steps += 1
+        self._bytes = max(self._bytes, sum(i.nbytes for i in inputs))
         step = collections.Counter()
         for i in inputs:
             key = (i.shape, i.dtype, i.line)
@@ -67,8 +67,21 @@ class Advice:
         for key, n in step.items():
             self._most[key] = max(self._most[key], n)
 
+    # A step's findings are judged once its execution ran (auto.settle):
+    # each read below waits for the device if one is still open.
+    @property
+    def steps(self) -> int:
+        auto.settle()
+        return self._steps
+
+    @property
+    def bytes(self) -> int:
+        auto.settle()
+        return self._bytes
+
     @property
     def entries(self) -> list:
+        auto.settle()
         out = [AdviceEntry(shape, dtype, n, n * self._size[(shape, dtype, line)], line)
                for (shape, dtype, line), n in self._most.items()]
         return sorted(out, key=lambda e: (-e.bytes, str(e.line), e.shape))
@@ -112,4 +125,5 @@ class advise:
         return self.advice
 
     def __exit__(self, *exc_info):
+        auto.settle()  # the last step's findings, judged
         auto.advisors.remove(self.advice)

@@ -22,8 +22,12 @@ is dead.  Never listed: a buffer any live tensor holds (a Python name, an
 autograd graph, an optimizer's state, a view's base: each keeps its
 XLATensor), one a live tensor's IR *is* (a copy made since the last
 barrier), a cached constant or the RNG seed (torch_xla holds those), a
-0-dim buffer, and one torch_xla aliases itself (an in-place update, matched
-by alias id).  About 0.1-0.3 µs per live tensor plus the walk of the
+0-dim buffer, and one torch_xla aliases itself: natively when the pending
+tensor is the buffer's own (in place, functionalization off); under
+functionalization the link is in torch_xla's own Data, which is not read
+(one layout fact only): such an input is armed too, harmlessly (torch_xla
+merges its own donors with the flagged ones), and the advisor drops it once
+the step consumed it without being armed.  About 0.1-0.3 µs per live tensor plus the walk of the
 step's IR (``benchmarks/bench_auto.py``).
 
 Ours until committed
@@ -97,27 +101,12 @@ def _describe(node_text: str, frames) -> Input:
 
 
 _lock = threading.Lock()
-_state = {"alias": None, "warned": False, "carriers": {}, "prepared": False}
+_state = {"warned": False, "carriers": {}, "prepared": False}
 _totals = {"steps": 0, "armed": 0, "armed_bytes": 0, "reused": 0, "reused_bytes": 0,
            "aliased": 0, "search_seconds": 0.0}
 _in_flight = []  # (DeadInputs, [Input]) armed at a commit, verdict not read yet
+_advised = []    # (DeadInputs, [Input], [Advice]) found while advising, not yet judged
 advisors = []    # the open ``advise()`` blocks (advice.py), innermost last
-
-
-def _alias_self_test() -> str | None:
-    """torch_xla's alias id read natively must match its own debug print,
-    on a tensor updated in place (alias id != tensor id).  None if it does."""
-    try:
-        t = torch.zeros(2).to(xla.torch_xla.device())
-        t.mul_(2)  # pending, dies before any walk
-        info = xla._XLAC._get_xla_tensor_debug_info(t)
-        m = re.search(r"AliasID: (\d+)", info)
-        ok = m is not None and int(m.group(1)) == C.xla_alias_id(t)
-        ok = ok and C.xla_alias_id(t) != xla.tensor_id(t)
-        del t
-    except Exception as error:  # any surprise: off
-        return f"the alias-id self-test raised {error!r}"
-    return None if ok else "torch_xla's alias ids could not be read (self-test failed)"
 
 
 def prepare(force: bool = False) -> None:
@@ -152,10 +141,7 @@ def unavailable() -> str | None:
         return "more than one device in this process"
     if not arena.in_use():
         return f"torch_xla's live-tensor registry walk is {arena.state()}"
-    if _state["alias"] is None:  # runs no graph: safe inside a commit
-        _state["alias"] = _alias_self_test() or ""
-        C.set_alias_reads(_state["alias"] == "")
-    return _state["alias"] or None
+    return None
 
 
 def require() -> None:
@@ -187,6 +173,9 @@ def at_commit(device):
     if not advisors and not config.auto():
         return None
     _settle_in_flight()
+    if _advised:  # judged only once the execution that read them ran
+        xla.wait_device_ops()
+        _settle_advised()
     why = unavailable()
     if why == "native reads not decided yet":
         return None  # decided before the next barrier (prepare)
@@ -205,9 +194,11 @@ def at_commit(device):
         _totals["search_seconds"] += found.seconds
         _totals["aliased"] += found.aliased
     if advisors:
-        for advice in advisors:
-            advice._record(inputs)
-        found.release()
+        # Judged after the execution: an input the step consumed without
+        # being armed was one torch_xla aliases itself (an in-place update
+        # under functionalization), nothing to advise.
+        with _lock:
+            _advised.append((found, inputs, list(advisors)))
         return None
     if not inputs:
         return None
@@ -250,12 +241,26 @@ def _settle_in_flight() -> None:
         found.release()
 
 
+def _settle_advised() -> None:
+    with _lock:
+        entries = _advised[:]
+        del _advised[:]
+    for found, inputs, open_advice in entries:
+        kept = [i for consumed, i in zip(found.consumed(), inputs) if not consumed]
+        with _lock:
+            _totals["aliased"] += len(inputs) - len(kept)
+        for advice in open_advice:
+            advice._record(kept)
+        found.release()
+
+
 def settle() -> None:
     """Waits for the device and reads the verdicts of the armed dead inputs
-    (``torch_xla_donate.settle()``)."""
-    if _in_flight:
+    and the advisors' findings (``torch_xla_donate.settle()``)."""
+    if _in_flight or _advised:
         xla.wait_device_ops()
         _settle_in_flight()
+        _settle_advised()
 
 
 def braces_safe(error) -> str:
