@@ -54,8 +54,12 @@ class Selection:
         params = list(self._signature.parameters.values())
         self._positional = [p.name for p in params if p.kind in _POSITIONAL]
         self._positional_only = {p.name for p in params if p.kind == p.POSITIONAL_ONLY}
-        self._varargs = next((p.name for p in params if p.kind == p.VAR_POSITIONAL), None)
-        self._varkw = next((p.name for p in params if p.kind == p.VAR_KEYWORD), None)
+        # Lists, not next(generator): torch 2.7's dynamo cannot trace the
+        # latter when donating() is called inside a compiled function.
+        varargs = [p.name for p in params if p.kind == p.VAR_POSITIONAL]
+        varkw = [p.name for p in params if p.kind == p.VAR_KEYWORD]
+        self._varargs = varargs[0] if varargs else None
+        self._varkw = varkw[0] if varkw else None
         self._names = [p.name for p in params]
         if not argnums and not argnames:
             raise ValueError(
