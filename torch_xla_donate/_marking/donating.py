@@ -131,8 +131,11 @@ def donating(fn: Callable | None = None, *, donate_argnums: int | Sequence[int] 
         _cancel(_handed_back(out, marked))
         return out
 
-    donating_wrapper.donate_argnums = selection.argnums
-    donating_wrapper.donate_argnames = selection.argnames
+    if not torch.compiler.is_compiling():
+        # A wrapper made while tracing lives only in the trace; torch 2.7's
+        # dynamo cannot set attributes on it.
+        donating_wrapper.donate_argnums = selection.argnums
+        donating_wrapper.donate_argnames = selection.argnames
     return donating_wrapper
 
 
