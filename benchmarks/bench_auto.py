@@ -46,17 +46,7 @@ def child(n: int, rounds: int, block: int) -> dict:
     box = [[torch.full((64, 64), float(i)).to(dev) for i in range(STATE)]]
     torch_xla.sync()
     xm.wait_device_ops()
-    inner = [0.0]
-    real_barrier = _xla.real("_xla_step_marker")
-
-    def timed_barrier(*args, **kwargs):
-        start = time.thread_time()
-        try:
-            return real_barrier(*args, **kwargs)
-        finally:
-            inner[0] += time.thread_time() - start
-
-    _xla.REAL["_xla_step_marker"] = timed_barrier
+    inner = C.time_real_barrier(_xla)
 
     def step(mode):
         tdx.configure(auto=mode == "auto")

@@ -53,17 +53,7 @@ def child(n: int, rounds: int, block: int) -> dict:
     ts = [torch.full((16,), float(i), device=dev) for i in range(n)]
     torch_xla.sync()
     xm.wait_device_ops()
-    inner = [0.0]
-    real_barrier = _xla.real("_xla_step_marker")
-
-    def timed_barrier(*args, **kwargs):
-        start = time.thread_time()
-        try:
-            return real_barrier(*args, **kwargs)
-        finally:
-            inner[0] += time.thread_time() - start
-
-    _xla.REAL["_xla_step_marker"] = timed_barrier
+    inner = C.time_real_barrier(_xla)
     screen = sharing.screen
     walk = arena.same_step_copies
 
