@@ -112,6 +112,25 @@ class DeadInputs {
   void Release() { dead.clear(); }
 };
 
+// Visits every node reachable from `roots` once (shared subgraphs once),
+// depth first; `visit(node)` returns whether to go on into its operands.
+template <typename Visit>
+void VisitIr(const std::vector<torch::lazy::NodePtr>& roots, Visit visit) {
+  std::unordered_set<const Node*> visited;
+  std::vector<const Node*> stack;
+  for (const torch::lazy::NodePtr& root : roots) {
+    if (visited.insert(root.get()).second) stack.push_back(root.get());
+  }
+  while (!stack.empty()) {
+    const Node* node = stack.back();
+    stack.pop_back();
+    if (!visit(node)) continue;
+    for (const torch::lazy::Output& operand : node->operands()) {
+      if (operand.node && visited.insert(operand.node).second) stack.push_back(operand.node);
+    }
+  }
+}
+
 // The search: see dead_inputs.h.  `describe`: keep each dead node's text
 // and source frames (torch lazy IR metadata; frames only with XLA_IR_DEBUG).
 std::unique_ptr<DeadInputs> FindDeadInputs(bool describe) {
@@ -145,67 +164,48 @@ std::unique_ptr<DeadInputs> FindDeadInputs(bool describe) {
   }
   if (!walked) throw py::value_error("the live-tensor registry walk is off");
   out->pending = roots.size();
-  // Post-order walk of the roots' IR down to device data.
+  // The roots' IR, walked down to device data.
   const torch::lazy::BackendImplInterface* backend = torch::lazy::getBackend();
-  std::unordered_set<const Node*> visited;
-  std::unordered_set<const torch::lazy::BackendData*> seen;
-  std::vector<const Node*> stack;
   // IR the barrier does not compute: every device-data node it reads is held.
-  std::unordered_set<const Node*> kept_visited;
-  for (const torch::lazy::NodePtr& root : kept) {
-    if (!kept_visited.insert(root.get()).second) continue;
-    stack.push_back(root.get());
-    while (!stack.empty()) {
-      const Node* node = stack.back();
-      stack.pop_back();
-      if (node->op().op == device_data) held_nodes.insert(node);
-      for (const torch::lazy::Output& operand : node->operands()) {
-        if (operand.node && kept_visited.insert(operand.node).second) stack.push_back(operand.node);
+  VisitIr(kept, [&](const Node* node) {
+    if (node->op().op == device_data) held_nodes.insert(node);
+    return true;
+  });
+  std::unordered_set<const torch::lazy::BackendData*> seen;
+  // A device-data node ends its branch: dead or not, the walk does not go
+  // below it.
+  VisitIr(roots, [&](const Node* node) {
+    ++out->nodes;
+    if (node->op().op != device_data) return true;
+    if (held_nodes.count(node)) return false;
+    BackendDataPtr buffer = backend->GetComputationDataFromNode(node);
+    if (!buffer || !seen.insert(buffer.get()).second) return false;
+    // The node's own holder and this copy: nothing else.
+    if (buffer.use_count() != 2 || !buffer->HasValue()) return false;
+    // An input torch_xla aliases to an output itself: the buffer of a
+    // tensor updated in place without functionalization (the pending
+    // tensor is the one the buffer was made for).  Under
+    // functionalization the in-place result is a new tensor whose link
+    // to the buffer only torch_xla's own Data holds (not read here):
+    // such an input is armed too, which changes nothing (torch_xla
+    // merges both donor sets), and the advisor drops it once the step
+    // consumed it without being armed (_outcomes/auto.py).
+    auto* info = dynamic_cast<torch::lazy::LazyGraphExecutor::DeviceDataInfo*>(buffer->info());
+    if (info != nullptr && !info->read_only && outputs.count(info->tensor_id)) {
+      ++out->aliased;
+      return false;
+    }
+    Dead d;
+    d.buffer = std::move(buffer);
+    d.node_text = node->ToString();
+    if (describe) {
+      for (const auto& f : node->metadata().frame_info) {
+        d.frames.emplace_back(f.file, f.function, f.line);
       }
     }
-  }
-  for (const torch::lazy::NodePtr& root : roots) {
-    if (!visited.insert(root.get()).second) continue;
-    stack.push_back(root.get());
-    while (!stack.empty()) {
-      const Node* node = stack.back();
-      stack.pop_back();
-      ++out->nodes;
-      if (node->op().op == device_data) {
-        if (held_nodes.count(node)) continue;
-        BackendDataPtr buffer = backend->GetComputationDataFromNode(node);
-        if (!buffer || !seen.insert(buffer.get()).second) continue;
-        // The node's own holder and this copy: nothing else.
-        if (buffer.use_count() != 2 || !buffer->HasValue()) continue;
-        // An input torch_xla aliases to an output itself: the buffer of a
-        // tensor updated in place without functionalization (the pending
-        // tensor is the one the buffer was made for).  Under
-        // functionalization the in-place result is a new tensor whose link
-        // to the buffer only torch_xla's own Data holds (not read here):
-        // such an input is armed too, which changes nothing (torch_xla
-        // merges both donor sets), and the advisor drops it once the step
-        // consumed it without being armed (_outcomes/auto.py).
-        auto* info = dynamic_cast<torch::lazy::LazyGraphExecutor::DeviceDataInfo*>(buffer->info());
-        if (info != nullptr && !info->read_only && outputs.count(info->tensor_id)) {
-          ++out->aliased;
-          continue;
-        }
-        Dead d;
-        d.buffer = std::move(buffer);
-        d.node_text = node->ToString();
-        if (describe) {
-          for (const auto& f : node->metadata().frame_info) {
-            d.frames.emplace_back(f.file, f.function, f.line);
-          }
-        }
-        out->dead.push_back(std::move(d));
-        continue;
-      }
-      for (const torch::lazy::Output& operand : node->operands()) {
-        if (operand.node && visited.insert(operand.node).second) stack.push_back(operand.node);
-      }
-    }
-  }
+    out->dead.push_back(std::move(d));
+    return false;
+  });
   out->seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return out;
 }
