@@ -5,10 +5,11 @@ one stage decides holds for both.
 * decide: a mark made before ``configure(enabled=False)`` is refused by the
   execution that takes it (DISABLED, value kept), the compiled call as the
   barrier, rather than left for a later one;
-* fail: an execution that raises keeps its donations (STEP_FAILED, value
-  kept, no flag left armed) and marks the steps before it as possibly
-  failed: an earlier donation nothing used, whose verdict is still open,
-  settles "failed", not "unused" (no ``UnusedDonationWarning``).
+* fail: an execution that raises (a compiled call also while extracting its
+  executable) keeps its donations (STEP_FAILED, value kept, no flag left
+  armed) and marks the steps before it as possibly failed: an earlier
+  donation nothing used, whose verdict is still open, settles "failed", not
+  "unused" (no ``UnusedDonationWarning``).
 
 The barrier fails for real (an output too large to allocate, see
 test/outcomes/test_failed_steps.py); the compiled call's executable is
@@ -93,15 +94,23 @@ def _failing_barrier(p):
     torch_xla.sync(wait=True)
 
 
-def _failing_compiled_call(p):
+def _failing_compiled_call(p, extraction=False):
+    variant = _failing_extraction if extraction else _failing_variant
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(dynamo._CompiledGraph, "_variant", _failing_variant)
+        patch.setattr(dynamo._CompiledGraph, "_variant", variant)
         torch.compile(_double, backend="openxla")(p)
 
 
 def _failing_variant(graph, pattern, args, on, withheld=frozenset()):
     graph._static = frozenset()
     return _raise
+
+
+def _failing_extraction(graph, pattern, args, on, withheld=frozenset()):
+    """The call's own extraction (after its commit) raises."""
+    if graph._static is None:  # the first call's look at the graph's own donors
+        return _failing_variant(graph, pattern, args, on, withheld)
+    _raise()
 
 
 def _raise(*args):
@@ -116,8 +125,10 @@ def _drain():
         assert "Out of memory" in str(e)
 
 
-@pytest.mark.parametrize("failing", [_failing_barrier, _failing_compiled_call],
-                         ids=["barrier", "compiled call"])
+@pytest.mark.parametrize(
+    "failing",
+    [_failing_barrier, _failing_compiled_call, lambda p: _failing_compiled_call(p, extraction=True)],
+    ids=["barrier", "compiled call", "compiled call's extraction"])
 def test_a_failed_execution_keeps_its_donations_and_fails_the_steps_before(dev, failing):
     p, q = materialize(torch.arange(float(N), device=dev), torch.ones(N // 2, device=dev))
     expected = p.cpu()
