@@ -20,8 +20,8 @@ happened to the tensor in between (``t.copy_(s)``, ``swap_tensors``,
 
 The stages of a commit
 ----------------------
-Both executions that take marks run the same stages, one function each,
-with the hook lock held:
+Both executions that take marks run the same stages, one function each
+(called with the hook lock held):
 
 1. ``begin``: take marks into a new step: a step barrier takes those of its
    device, a compiled call those of its own arguments (the other marks wait
