@@ -38,38 +38,46 @@ optimizer).  A mark only records: no torch_xla flag is set yet.
 
 Commit: begin, decide, arm
 --------------------------
-The step barrier (``torch_xla.sync()``) runs through a native trampoline
-(``_hooks/executions.barrier_trampoline``) whose first half is
-``_hooks/commit.barrier_before``:
+Both executions that take marks, the step barrier (``torch_xla.sync()``)
+and a call of a ``torch.compile``d graph, commit them through the same
+functions of ``_hooks/commit.py``.  The barrier runs through a native
+trampoline (``_hooks/executions.barrier_trampoline``) whose first half is
+``_hooks/commit.barrier_before``; a compiled call through
+``_hooks/dynamo._CompiledGraph.__call__``:
 
-* begin: ``_outcomes/devices.begin_step_on`` takes the barrier device's
-  marks into a new step;
+* begin: ``_hooks/commit.begin`` takes the marks into a new step: the
+  barrier device's (``_outcomes/devices.begin_step_on``), or the compiled
+  call's arguments';
 * decide: ``_hooks/commit.decide`` -> ``split`` keeps ``p`` as a donor unless
   it was updated in place (UPDATED_IN_PLACE) or another holder shares its
   buffer (``_outcomes/ownership.judge_at_commit``,
-  ``_outcomes/sharing.screen``: DROPPED, value kept);
-* arm: ``_hooks/commit.arm`` sets torch_xla's donor flag on ``p``'s buffer.
-
-A call of a ``torch.compile``d graph commits the marks of its own arguments
-(``_hooks/dynamo._CompiledGraph._commit``: ``C.begin_step``, then
-``split``; its flags are armed around the bridge's extraction) and ends in
-the same ``finish``.
+  ``_outcomes/sharing.screen``: DROPPED, value kept); then the switches
+  (switched off since marking: DISABLED, value kept);
+* arm: torch_xla's donor flag is set on ``p``'s buffer.  The barrier arms
+  at once (``_hooks/commit.arm``); a compiled call only while torch_xla's
+  bridge extracts an executable for its donation pattern
+  (``_hooks/dynamo._arming``), the one moment the flag counts there.
 
 Execution
 ---------
-torch_xla's real barrier builds the graph (its donor set is fixed now: an
-output of ``p``'s size and dtype may take the buffer) and dispatches it.
+torch_xla builds the graph (its donor set is fixed now: an output of
+``p``'s size and dtype may take the buffer) and runs it: the real barrier
+dispatches it, a compiled call runs its executable.
 
-Finish, settle and verdicts
----------------------------
-The trampoline's second half, ``_hooks/commit.barrier_after``, calls
-``_hooks/commit.finish``: flags cleared and ``p`` poisoned in one native
-call (``C.disarm_and_poison``), its verdict IN_FLIGHT
-(``_outcomes/verdicts.after_commit``).  Once the step is known to be
-dispatched (the next barrier, ``settle()``, ``is_deleted`` or a use of
-``p``), ``_outcomes/verdicts._settle`` decides (natively,
-``C.settle_entries``): REUSED (the buffer was taken), UNUSED (value kept,
-poison lifted, ``UnusedDonationWarning``) or, for a failed step,
+Finish or fail, settle and verdicts
+-----------------------------------
+The barrier trampoline's second half, ``_hooks/commit.barrier_after``, and
+a compiled call once it returns end in ``_hooks/commit.finish``: flags
+cleared and ``p`` poisoned in one native call (``C.disarm_and_poison``),
+its verdict IN_FLIGHT (``_outcomes/verdicts.after_commit``).  An execution
+that raised ends in ``_hooks/commit.fail`` instead: flags cleared, the
+failure noted (``_outcomes/failures.note_failure``) and ``p`` kept
+(``_outcomes/verdicts.failed``: STEP_FAILED, or LOST if torch_xla lost the
+buffer).  Once the step is known to be dispatched (the next barrier,
+``settle()``, ``is_deleted`` or a use of ``p``),
+``_outcomes/verdicts._settle`` decides (natively, ``C.settle_entries``):
+REUSED (the buffer was taken), UNUSED (value kept, poison lifted,
+``UnusedDonationWarning``) or, for a step that failed while running,
 STEP_FAILED / LOST.
 
 Poisoning

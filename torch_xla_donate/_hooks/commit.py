@@ -1,4 +1,5 @@
-"""Committing marks to an execution: the heart of the step barrier.
+"""Committing marks to an execution: one commit for the step barrier and
+for a ``torch.compile``d call (dynamo.py).
 
 Example (what a user's loop runs through; ``PJRT_DEVICE=CPU``)::
 
@@ -17,26 +18,41 @@ torch_xla path the plugin does not see can take a marked buffer, whatever
 happened to the tensor in between (``t.copy_(s)``, ``swap_tensors``,
 ``mark_sharding``, a flush of pending work).
 
+The stages of a commit
+----------------------
+Both executions that take marks run the same stages, one function each
+(called with the hook lock held):
+
+1. ``begin``: take marks into a new step: a step barrier takes those of its
+   device, a compiled call those of its own arguments (the other marks wait
+   for their own execution);
+2. ``decide``: ``split`` the marks (a tensor updated in place since marking
+   is an output, not a donor; one whose buffer another live tensor holds
+   goes to ownership.py and sharing.py), then the switches: switched off
+   since marking (DISABLED) or the sync of a step block that raised
+   (STEP_FAILED), nothing is donated.  Every refusal is decided here, for
+   both executions;
+3. ``arm``: set torch_xla's donor flag on the buffer each donor holds.  A
+   step barrier arms at once (``arm``): its real barrier builds the graph
+   next.  A compiled call arms only while torch_xla's dynamo bridge
+   extracts an executable for the call's donation pattern (dynamo.py's
+   ``_arming``, between the bridge's hash and warm-up): an executable keeps
+   the donor set it was built with, so a call that runs a cached one sets
+   no flag;
+4. the execution builds its graph (fixing its donor set) and runs;
+5. ``finish``: clear the flags, poison the donors, leave their verdicts in
+   flight (verdicts.py); or, when the execution raised, ``fail``: clear the
+   flags, note the failure and abandon the donations (failures.py):
+   STEP_FAILED, values kept.  A step's ending is written there, and
+   nowhere else.
+
 Around the real barrier
 -----------------------
-1. *before* (``barrier_before``): take the marks of the barrier's device to
-   a new step; ``decide`` the donors: ``split`` them (a tensor updated in
-   place since marking is an output, not a donor; one whose buffer another
-   live tensor holds goes to ownership.py and sharing.py), then ``arm``
-   their flags;
-2. the real barrier builds the graph (fixing its donor set) and dispatches
-   it;
-3. *after* (``barrier_after``, then ``finish``, which a compiled call's
-   commit shares): clear the flags, poison the donors, and leave their
-   verdicts in flight (verdicts.py).  A donor nothing but the plugin refers
-   to any more (the loop rebound its name) can be put into no other graph:
-   it is left as it is and freed with its entry.  A failed execution
-   abandons its donations (failures.py): STEP_FAILED, values kept.
-
-``before`` and ``after`` run as the two halves of a native trampoline
-(``C.Trampoline``, see executions.py): torch_xla's own code runs between
-them with no frame of ours on the stack.  The hook lock is held from
-``before`` to ``after``.
+``barrier_before`` runs begin, decide and arm for the barrier's device;
+``barrier_after`` runs finish, or fail.  They are the two halves of a
+native trampoline (``C.Trampoline``, see executions.py): torch_xla's own
+code runs between them with no frame of ours on the stack.  The hook lock
+is held from ``before`` to ``after``.
 
 Never in the user's way
 -----------------------
@@ -56,8 +72,8 @@ from .._base.native import C
 from .._outcomes import auto, failures, ownership, sharing, verdicts
 from .._outcomes import devices as _devices
 
-__all__ = ["barrier_before", "barrier_after", "decide", "undecided", "split", "arm", "finish",
-           "flush_before", "flush_after"]
+__all__ = ["barrier_before", "barrier_after", "begin", "decide", "undecided", "split", "arm",
+           "finish", "fail", "flush_before", "flush_after"]
 
 
 class _Commit:
@@ -102,10 +118,10 @@ def barrier_before(device="", devices=(), wait=True, reset_scope=True, *, commit
         # No verdict of an earlier step before the real barrier: it may still
         # be dispatching, and a buffer reads as deleted while XLA holds it for
         # a donation it may yet give back (see verdicts.py).
-        step, tensors, records = _devices.begin_step_on(here)
+        step, tensors, records = begin(device=here)
         notices = Notices()
         try:
-            donors = decide(tensors, records, notices, abandon=abandon)
+            donors = arm(decide(tensors, records, notices, abandon=abandon), notices)
         except Exception as error:  # the plugin's own check failed, not the step
             donors = undecided(tensors, records, error, notices)
         del tensors, records  # from here on only the entries refer to them
@@ -123,9 +139,26 @@ def barrier_before(device="", devices=(), wait=True, reset_scope=True, *, commit
         raise
 
 
+def begin(device=None, tensors=None):
+    """Takes marks into a new step: those of ``device`` (a step barrier's),
+    or those of ``tensors`` (a compiled call's arguments).  Returns (step,
+    tensors, records).  Called with the lock held."""
+    if tensors is None:
+        return _devices.begin_step_on(device)
+    return C.begin_step(tensors)
+
+
 def decide(tensors, records, notices, abandon=False) -> list:
-    """The donors of a committed step, armed: ``split``, then the switches,
-    then ``arm``."""
+    """The donors of a step ``begin`` opened, not armed yet: ``split``, then
+    the switches.  ``abandon``: the sync that ends a step block whose body
+    raised.  May raise from the plugin's own checks: the caller then calls
+    ``undecided``.
+
+    The tricky case: a mark made before ``configure(enabled=False)``
+    (marking itself does nothing while switched off) is refused by the
+    execution that takes it, a step barrier or a compiled call alike:
+    DISABLED, value kept.
+    """
     donors = split(tensors, records, notices)
     if donors and not config.enabled():
         verdicts.abandon(donors, C.Verdict.DISABLED)  # switched off after marking
@@ -133,7 +166,7 @@ def decide(tensors, records, notices, abandon=False) -> list:
     if donors and abandon:
         verdicts.abandon(donors, C.Verdict.STEP_FAILED)
         return []
-    return arm(donors, notices)
+    return donors
 
 
 def undecided(tensors, records, error, notices) -> list:
@@ -167,10 +200,7 @@ def barrier_after(token, result, error):
         if token is _FLUSH:
             return result
         if error is not None:
-            auto.abandon(token.auto)
-            C.disarm(token.donors)
-            failures.note_failure()
-            verdicts.failed(token.donors)
+            fail(token.donors, token.auto)
             return result
         _devices.note_barrier(token.device)
         if xla.local_device_count() == 1:
@@ -186,9 +216,10 @@ def barrier_after(token, result, error):
 
 
 def finish(device, donors, notices, certain: bool) -> None:
-    """The end of every commit (a step barrier's, a compiled call's), once
-    the execution's donor set is fixed: clear the flags, poison the donors
-    the user still holds and their companions, leave the verdicts in flight.
+    """The end of every commit whose execution ran (a step barrier's, a
+    compiled call's), once its donor set is fixed: clear the flags, poison
+    the donors the user still holds and their companions, leave the
+    verdicts in flight.  ``certain``: the execution was waited for.
 
     A donor nothing but its entry refers to is not poisoned: no code can put
     it into another graph.  With one device (and native reads on) it is let
@@ -207,6 +238,21 @@ def finish(device, donors, notices, certain: bool) -> None:
     if ownership.companions_by_record:
         ownership.poison_companions([record.id for _, record in donors])
     verdicts.after_commit(device, donors, certain=certain)
+
+
+def fail(donors, dead_inputs=None) -> None:
+    """The end of every commit whose execution raised (a step barrier's, a
+    compiled call's): no flag stays armed, the dead inputs armed with the
+    donors (``auto.at_commit``'s token) are let go, every step so far may
+    have failed (``failures.note_failure``: their open verdicts will not
+    read "unused"), and the donors settle STEP_FAILED, values kept, or
+    LOST if torch_xla lost the buffer (``verdicts.failed``).  Called with
+    the lock held.
+    """
+    auto.abandon(dead_inputs)
+    C.disarm(donors)
+    failures.note_failure()
+    verdicts.failed(donors)
 
 
 def _unpoisoned_error(failed) -> TypeError:
@@ -245,9 +291,14 @@ def split(tensors, records, notices) -> list:
 
 
 def arm(donors, notices) -> list:
-    """Sets the donor flag on the buffer each donor holds now; returns the
-    armed entries.  One torch_xla refuses (no plain device data: its value
-    is a view or pending after all) is dropped."""
+    """A step barrier's arming: sets the donor flag on the buffer each donor
+    holds now; returns the armed entries.  One torch_xla refuses (no plain
+    device data: its value is a view or pending after all) is dropped.
+
+    A compiled call arms its donors another way (dynamo.py's ``_arming``):
+    only while the bridge extracts an executable for them, as the flags
+    count only then.
+    """
     if not donors:
         return donors
     armed, refused = C.arm(donors)

@@ -14,14 +14,18 @@ compiled graph keeps one executable per *donation pattern* (which of its
 arguments are donated):
 
 * a call commits the marks of its own arguments but those it only marks
-  (the other marks wait for their own execution), like a step barrier
-  commits its device's marks: checked (commit.py), poisoned after the call,
-  verdicts in flight (verdicts.py);
-* the first call with a pattern extracts the graph from a pristine copy of
-  the FX graph with those arguments' flags armed around the bridge's hash and
-  warm-up, and disarmed right after (so nothing else can take them); later
-  calls with the pattern run its executable, with no flag set.  A call
-  without marks runs the plain executable: nothing unmarked is ever donated;
+  (the other marks wait for their own execution) through the stages a step
+  barrier's commit goes through (commit.py): ``commit.begin`` takes them,
+  ``commit.decide`` checks them and refuses them if switched off,
+  ``commit.finish`` poisons the donors after the call and leaves their
+  verdicts in flight (verdicts.py), and a call that raises ends in
+  ``commit.fail`` (STEP_FAILED, values kept);
+* its ``arm`` stage is its own (``_arming``): the first call with a
+  pattern extracts the graph from a pristine copy of the FX graph with
+  those arguments' flags armed around the bridge's hash and warm-up, and
+  disarmed right after (so nothing else can take them); later calls with
+  the pattern run its executable, with no flag set.  A call without marks
+  runs the plain executable: nothing unmarked is ever donated;
 * ``torch.ops.xla.dynamo_set_buffer_donor_(t, True)`` in the compiled
   function (torch_xla's own way; also what ``donate_buffer``, ``donate`` and
   ``donating`` emit when dynamo traces them, so they cause no graph break)
@@ -36,9 +40,11 @@ arguments are donated):
   donated by a compiled forward graph: its mark waits for the next step
   barrier, after backward;
 * switched off (``configure(enabled=False)``, ``XLA_ENABLE_PARAM_ALIASING=0``),
-  a call donates nothing, not even its graph's own ops (an executable
-  without them is extracted), and warns ``DonationDisabledWarning`` once:
-  the switch is read at each call, not baked in when dynamo traced.
+  a call donates nothing, not even its graph's own ops (they mark nothing,
+  as eager marking; an executable without them is extracted), and warns
+  ``DonationDisabledWarning`` once; a mark made before switching off is
+  refused by ``commit.decide`` at the call (DISABLED): the switch is read
+  at each call, not baked in when dynamo traced.
 
 A graph break splits a compiled function into several graphs.  A marked
 tensor is donated by the first graph that takes it; a later graph reading it
@@ -56,7 +62,7 @@ from .._base.messages import Notices
 from .._base.native import C, Via
 from .._base.sites import user_site
 from .._marking import graph_ops, marks
-from .._outcomes import failures, poison, verdicts
+from .._outcomes import poison
 from . import commit, executions
 
 __all__ = ["install", "uninstall", "installed", "TRAMPOLINES"]
@@ -89,35 +95,38 @@ class _CompiledGraph:
         self._static = None  # argument indices the graph's own ops donate
 
     def __call__(self, *args):
+        """One call, through the commit's stages (commit.py): begin and
+        decide (``_begin_and_decide``), arm (``_arming``), then finish or
+        fail."""
         poison.refuse_consumed(args)
         on = config.enabled() and xla.aliasing_enabled()
-        # Switched off: marks made before wait for the step barrier, which
-        # drops them (commit.decide); the graph's own ops donate nothing.
-        # An argument the graph only marks is no candidate: its mark (made
-        # before or by this call) waits for the execution that reads it.
-        candidates = [i for i, a in enumerate(args) if on and xla.is_xla_tensor(a)
-                      and C.is_marked(a) and not a.requires_grad and i not in self._carried]
+        # The marks the call takes: its arguments' but those autograd will
+        # need and those the graph only marks (each waits for the execution
+        # that reads it).  Switched off, commit.decide refuses them.
+        candidates = [i for i, a in enumerate(args) if xla.is_xla_tensor(a) and C.is_marked(a)
+                      and not a.requires_grad and i not in self._carried]
         if self._static is None:  # the first call: learn the graph's own donors
-            self._variant(frozenset(candidates), args, on)
+            self._variant(frozenset(candidates if on else ()), args, on)
+        # Switched off, the graph's own ops mark nothing, as eager marking.
         if (self._static or self._carried) and not on:
             switches.warn_if_off()
         if on and self._carried:
             _carry([args[i] for i in self._carried])
         notices = Notices()
-        step, donors = self._commit(args, candidates, notices, on)
+        donors = self._begin_and_decide(args, candidates, notices, on)
         donated = {id(t) for t, _ in donors}
         pattern = frozenset(i for i, a in enumerate(args) if id(a) in donated) - self._static
         # The graph's own donations the commit refused (a buffer another
         # tensor holds): extracted without them, as eager would run.
         withheld = frozenset(i for i in self._static if id(args[i]) not in donated)
-        fn = (self._variants.get((pattern, withheld, on))
-              or self._variant(pattern, args, on, withheld))
         try:
+            fn = (self._variants.get((pattern, withheld, on))
+                  or self._variant(pattern, args, on, withheld))
             with _arming([args[i] for i in pattern]):
                 result = fn(*args)
         except BaseException:
-            failures.note_failure()
-            verdicts.failed(donors)
+            with lock:
+                commit.fail(donors)
             notices.deliver(quietly=True)
             raise
         if donors:
@@ -126,10 +135,11 @@ class _CompiledGraph:
         notices.deliver()
         return result
 
-    def _commit(self, args, candidates, notices, on):
-        """Commits the marks of the call's arguments (and the graph's own
-        donations, if ``on``): (step, donor entries).  Never raises from the
-        plugin's own checks (see commit.barrier_before)."""
+    def _begin_and_decide(self, args, candidates, notices, on):
+        """commit.begin and commit.decide for the marks of the call's
+        arguments ``candidates`` and, if ``on``, the graph's own donations
+        (marked here, at the call); returns the donor entries.  Never raises
+        from the plugin's own checks (see commit.barrier_before)."""
         static = [args[i] for i in self._static if on and xla.is_xla_tensor(args[i])]
         with lock:
             if static:
@@ -141,12 +151,12 @@ class _CompiledGraph:
             tensors = [args[i] for i in candidates] + [t for t in static
                                                        if all(t is not args[i] for i in candidates)]
             if not tensors:
-                return None, []
-            step, tensors, records = C.begin_step(tensors)
+                return []
+            _, tensors, records = commit.begin(tensors=tensors)
             try:
-                return step, commit.split(tensors, records, notices)
+                return commit.decide(tensors, records, notices)
             except Exception as error:  # the plugin's own check, not the call
-                return step, commit.undecided(tensors, records, error, notices)
+                return commit.undecided(tensors, records, error, notices)
 
     def _variant(self, pattern, args, on, withheld=frozenset()):
         """Extracts the graph with the flags of ``pattern``'s arguments armed
@@ -223,8 +233,13 @@ def _mark_graph_op(t, where, version=-1) -> None:
 
 
 class _arming:
-    """``with _arming(tensors):`` the calling thread is in a compiled call
-    whose extractions donate ``tensors``; its barriers commit nothing."""
+    """A compiled call's arm stage (a step barrier's is ``commit.arm``):
+    ``with _arming(tensors):`` the calling thread is in a compiled call
+    whose extractions donate ``tensors``.  Their flags are set only while
+    the bridge builds an executable (``_hash_before`` to ``_warm_after``),
+    as an executable keeps the donor set it was built with; a call that
+    runs a cached executable sets none.  The thread's barriers commit
+    nothing meanwhile."""
 
     def __init__(self, tensors):
         self._tensors = tensors
