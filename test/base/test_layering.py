@@ -2,7 +2,8 @@
 functions count), each private subpackage imports only those below it, the
 base imports nothing above it, marking never imports the hooks, and only
 ``_base/native.py`` imports the native library.  Each verdict is set in one
-place (``C.settle`` only in ``_outcomes/verdicts.py``, REUSED only natively).
+place (``C.settle`` only in ``_outcomes/verdicts.py``, REUSED only natively)
+and one module binds the native hooks (``C.bind``).
 
 Layers, lowest first: ``_base`` < ``_outcomes`` < ``_marking`` < ``_hooks``;
 the public face (``__init__``, ``errors``, ``report``) may import anything.
@@ -180,3 +181,8 @@ def test_reused_is_settled_natively_in_one_place():
                 places += [file] * len(re.findall(r"Settle\([^;]*Verdict::kReused", text))
     assert places == ["commit.cpp"]
 
+
+def test_one_module_binds_the_native_hooks():
+    binds = _native_calls("bind")
+    assert list(binds) == ["torch_xla_donate._hooks.install"]
+    assert len(binds["torch_xla_donate._hooks.install"]) == 1
