@@ -37,7 +37,7 @@ MUTANTS = [
        "test/base/test_config.py -k 'disabled or switched or marks_made_before'"),
     _m("abandon-ignored", "a step block that raised still donates its marks", COMMIT,
        "if donors and abandon:", "if False:",
-       "test/outcomes/test_failed_steps.py -k step_block"),
+       "test/outcomes/test_step_exceptions.py -k step_block"),
     _m("undecided-keeps-marks", "a check that cannot decide leaves the marks unsettled",
        COMMIT, "    verdicts.drop(dropped)\n",
        "", "test/hooks/test_commit.py -k cannot_decide"),
@@ -60,12 +60,13 @@ MUTANTS = [
     _m("async-verdict-certain", "a step run with wait=False is judged before it was dispatched",
        VERDICTS, "_settle(donors, certain=certain)", "_settle(donors, certain=True)",
        "test/outcomes/test_verdicts.py", "test/outcomes/test_report.py -k async",
-       "test/outcomes/test_failed_steps.py"),
+       "test/outcomes/test_failed_steps.py test/outcomes/test_step_exceptions.py"),
     _m("failed-step-stays-poisoned", "a failed step's donation keeps its poison", VERDICTS,
        "    if t is not None and poison.is_poisoned(t):\n        poison.unpoison(t)",
        "    if verdict != C.Verdict.STEP_FAILED and t is not None and poison.is_poisoned(t):\n"
        "        poison.unpoison(t)",
-       "test/outcomes/test_failed_steps.py -k 'several or compiled or surfacing'"),
+       "test/outcomes/test_failed_steps.py test/outcomes/test_step_exceptions.py "
+       "-k 'several or compiled or surfacing'"),
     _m("unused-stays-poisoned", "an unused donation keeps its poison until looked at",
        VERDICTS, "    if t is not None and poison.is_poisoned(t):\n        poison.unpoison(t)",
        "    if verdict != C.Verdict.UNUSED and t is not None and poison.is_poisoned(t):\n"
@@ -211,7 +212,8 @@ MUTANTS = [
        "True, out)\n",
        "                    pass\n",
        "test/marking/test_trees.py -k optimizer",
-       "test/scenarios/test_optimizer_loops.py -k optimizer"),
+       "test/scenarios/test_optimizer_loops.py test/scenarios/test_donate_model_and_optimizer.py "
+       "-k optimizer"),
     _m("compiled-optimizer-skipped", "donate(optimizer) inside torch.compile marks nothing",
        "torch_xla_donate/_marking/graph_ops.py",
        "for path, t, kind in walk(label, tree) if kind != HOST_COUNTER]",
