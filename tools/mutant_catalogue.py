@@ -38,9 +38,9 @@ MUTANTS = [
        "test/hooks/test_commit_stages.py -k switching_off"),
     _m("abandon-ignored", "a step block that raised still donates its marks", COMMIT,
        "if donors and abandon:", "if False:",
-       "test/outcomes/test_failed_steps.py -k step_block"),
+       "test/outcomes/test_step_exceptions.py -k step_block"),
     _m("undecided-keeps-marks", "a check that cannot decide leaves the marks unsettled",
-       COMMIT, "    for record in dropped:\n        C.settle(record, C.Verdict.DROPPED)\n",
+       COMMIT, "    verdicts.drop(dropped)\n",
        "", "test/hooks/test_commit.py -k cannot_decide"),
     _m("companions-spared", "aliases taken down with a donation are never poisoned", COMMIT,
        "if ownership.companions_by_record:", "if False:",
@@ -48,8 +48,8 @@ MUTANTS = [
        "test/scenarios/test_promise_matrix.py -k parameters_go_down"),
     # -- verdicts ---------------------------------------------------------------
     _m("use-settles-reused-as-unused", "a first use calls a consumed buffer unused",
-       VERDICTS, "elif reads.is_consumed(t):", "elif not reads.is_consumed(t):",
-       "test/outcomes/test_verdicts.py test/hooks/test_commit.py -k 'unused or raises'"),
+       VERDICTS, "_, unusable = C.settle_entries([(t, record)], True)",
+       "unusable = [(t, record)]", "test/outcomes/test_verdicts.py test/outcomes/test_poison.py"),
     _m("settle-one-no-wait", "a first use settles without waiting for its step", VERDICTS,
        "if record.step > devices.dispatched_through(t.device):", "if False:",
        "test/outcomes/test_verdicts.py",
@@ -61,16 +61,17 @@ MUTANTS = [
     _m("async-verdict-certain", "a step run with wait=False is judged before it was dispatched",
        VERDICTS, "_settle(donors, certain=certain)", "_settle(donors, certain=True)",
        "test/outcomes/test_verdicts.py", "test/outcomes/test_report.py -k async",
-       "test/outcomes/test_failed_steps.py"),
+       "test/outcomes/test_failed_steps.py test/outcomes/test_step_exceptions.py"),
     _m("failed-step-stays-poisoned", "a failed step's donation keeps its poison", VERDICTS,
-       "    C.settle(record, C.Verdict.STEP_FAILED)\n    if t is not None:\n"
+       "    if t is not None and poison.is_poisoned(t):\n        poison.unpoison(t)",
+       "    if verdict != C.Verdict.STEP_FAILED and t is not None and poison.is_poisoned(t):\n"
        "        poison.unpoison(t)",
-       "    C.settle(record, C.Verdict.STEP_FAILED)",
-       "test/outcomes/test_failed_steps.py -k 'several or compiled or surfacing'"),
+       "test/outcomes/test_failed_steps.py test/outcomes/test_step_exceptions.py "
+       "-k 'several or compiled or surfacing'"),
     _m("unused-stays-poisoned", "an unused donation keeps its poison until looked at",
-       VERDICTS, "    C.settle(record, C.Verdict.UNUSED)\n    if t is not None:  # None: "
-       "released at the commit, never poisoned\n        poison.unpoison(t)",
-       "    C.settle(record, C.Verdict.UNUSED)",
+       VERDICTS, "    if t is not None and poison.is_poisoned(t):\n        poison.unpoison(t)",
+       "    if verdict != C.Verdict.UNUSED and t is not None and poison.is_poisoned(t):\n"
+       "        poison.unpoison(t)",
        "test/hooks/test_commit.py -k unused", "test/outcomes/test_verdicts.py"),
     _m("unused-never-warns", "an unused donation is never warned about",
        "torch_xla_donate/_outcomes/unused.py", "    new = _first_time(entries)\n",
@@ -197,7 +198,8 @@ MUTANTS = [
        'donated_bytes=stats["donated"],', "test/outcomes/test_report.py"),
     # -- more: refusals at other entry points, trees, companions ---------------------
     _m("use-settles-unused-as-reused", "a first use calls an unused buffer consumed", VERDICTS,
-       "elif reads.is_consumed(t):", "elif True:",
+       "_, unusable = C.settle_entries([(t, record)], True)",
+       "C.settle(record, C.Verdict.REUSED); unusable = []",
        "test/outcomes/test_verdicts.py", "test/hooks/test_commit.py -k unused"),
     _m("companions-stay-poisoned", "companions of an unused donation keep their poison",
        "torch_xla_donate/_outcomes/companions.py", "if record.verdict != C.Verdict.REUSED:",
@@ -219,7 +221,8 @@ MUTANTS = [
        "True, out)\n",
        "                    pass\n",
        "test/marking/test_trees.py -k optimizer",
-       "test/scenarios/test_optimizer_loops.py -k optimizer"),
+       "test/scenarios/test_optimizer_loops.py test/scenarios/test_donate_model_and_optimizer.py "
+       "-k optimizer"),
     _m("compiled-optimizer-skipped", "donate(optimizer) inside torch.compile marks nothing",
        "torch_xla_donate/_marking/graph_ops.py",
        "for path, t, kind in walk(label, tree) if kind != HOST_COUNTER]",

@@ -75,10 +75,22 @@ failure noted (``_outcomes/failures.note_failure``) and ``p`` kept
 (``_outcomes/verdicts.failed``: STEP_FAILED, or LOST if torch_xla lost the
 buffer).  Once the step is known to be dispatched (the next barrier,
 ``settle()``, ``is_deleted`` or a use of ``p``),
-``_outcomes/verdicts._settle`` decides (natively, ``C.settle_entries``):
-REUSED (the buffer was taken), UNUSED (value kept, poison lifted,
-``UnusedDonationWarning``) or, for a step that failed while running,
-STEP_FAILED / LOST.
+``_outcomes/verdicts._settle`` (or, for one tensor about to be used,
+``_outcomes/verdicts.settle_one``) decides.
+
+Each verdict is set in one place; in Python, only ``_outcomes/verdicts``
+calls ``C.settle``:
+
+* REUSED (the buffer was taken): natively, ``C.settle_entries``
+  (csrc/hooks/commit.cpp), for a barrier and a use alike;
+* UPDATED_IN_PLACE: natively, at the commit (``C.split_committed``);
+* UNUSED (value kept, poison lifted, ``UnusedDonationWarning``),
+  STEP_FAILED (the step failed or never ran: value kept, quietly) and
+  DISABLED (switched off after marking): ``_outcomes/verdicts._keep``;
+* LOST (a failed step took the buffer with it): ``_outcomes/verdicts._lose``;
+* DROPPED (decided against at the commit, value kept):
+  ``_outcomes/verdicts.drop``, called by ``_outcomes/ownership.drop`` (with
+  its warning) and by the commit's fallbacks.
 
 Poisoning
 ---------

@@ -1,14 +1,18 @@
 """The package's layout keeps its rules: no import cycles (imports inside
 functions count), each private subpackage imports only those below it, the
 base imports nothing above it, marking never imports the hooks, and only
-``_base/native.py`` imports the native library.
+``_base/native.py`` imports the native library.  Each verdict is set in one
+place (``C.settle`` only in ``_outcomes/verdicts.py``, REUSED only natively)
+and one module binds the native hooks (``C.bind``).
 
 Layers, lowest first: ``_base`` < ``_outcomes`` < ``_marking`` < ``_hooks``;
 the public face (``__init__``, ``errors``, ``report``) may import anything.
 Read from the source (``ast``), every ``import`` statement wherever it is.
 """
 import ast
+import collections
 import os
+import re
 
 import pytest
 
@@ -113,3 +117,72 @@ def test_the_checker_sees_relative_and_function_level_imports(tmp_path):
     path.write_text(source)
     assert _imports("torch_xla_donate._marking.probe", str(path)) == {
         "torch_xla_donate._hooks.commit"}
+
+
+# -- Calls into the native library that only one place may make --------------
+
+
+def _native_calls(attr):
+    """{module name: [(enclosing function, call node)]} of the calls
+    ``C.<attr>(...)`` (or ``_C.<attr>``) in the package's sources."""
+    found = collections.defaultdict(list)
+
+    def visit(name, node, function):
+        for child in ast.iter_child_nodes(node):
+            inner = function
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                inner = child.name
+            if (isinstance(child, ast.Call) and isinstance(child.func, ast.Attribute)
+                    and child.func.attr == attr and isinstance(child.func.value, ast.Name)
+                    and child.func.value.id in ("C", "_C")):
+                found[name].append((function, child))
+            visit(name, child, inner)
+
+    for name, path in MODULES.items():
+        with open(path) as f:
+            visit(name, ast.parse(f.read(), path), "<module>")
+    return dict(found)
+
+
+def _verdict_named(call):
+    """``X`` of a ``C.settle(record, C.Verdict.X)`` call, None for a verdict
+    passed in a variable."""
+    arg = call.args[1] if len(call.args) > 1 else None
+    return arg.attr if isinstance(arg, ast.Attribute) else None
+
+
+def test_only_verdicts_settles_a_record():
+    assert set(_native_calls("settle")) == {"torch_xla_donate._outcomes.verdicts"}
+
+
+def test_each_verdict_is_set_by_one_function():
+    """REUSED and UPDATED_IN_PLACE are decided natively only; every other
+    verdict named in Python is settled by one function."""
+    setters = collections.defaultdict(set)
+    for name, calls in _native_calls("settle").items():
+        for function, call in calls:
+            verdict = _verdict_named(call)
+            if verdict is not None:
+                setters[verdict].add(f"{name}.{function}")
+    assert not setters.keys() & {"REUSED", "UPDATED_IN_PLACE"}, dict(setters)
+    shared = {v: sorted(f) for v, f in setters.items() if len(f) > 1}
+    assert not shared, f"verdicts set from more than one function: {shared}"
+    assert {"LOST", "DROPPED"} <= setters.keys()  # the checker sees the calls
+
+
+def test_reused_is_settled_natively_in_one_place():
+    csrc = os.path.join(os.path.dirname(ROOT), "csrc")
+    places = []
+    for folder, _, files in os.walk(csrc):
+        for file in files:
+            if file.endswith((".cpp", ".h")):
+                with open(os.path.join(folder, file)) as f:
+                    text = f.read()
+                places += [file] * len(re.findall(r"Settle\([^;]*Verdict::kReused", text))
+    assert places == ["commit.cpp"]
+
+
+def test_one_module_binds_the_native_hooks():
+    binds = _native_calls("bind")
+    assert list(binds) == ["torch_xla_donate._hooks.install"]
+    assert len(binds["torch_xla_donate._hooks.install"]) == 1

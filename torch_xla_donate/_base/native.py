@@ -8,14 +8,16 @@ What the native code does: the ledger (marks, records, per-step stats and
 their Python types ``Record``, ``Entry``, ``Verdict``, ``Via``), marking's
 fast path, a commit's batch helpers, poisoning, and the trampolines that
 stand in for torch_xla's functions (csrc/, whose folders mirror this
-package's).  What it calls back into Python, bound at import with
-``C.bind(...)``:
+package's).  What it calls back into Python, bound at import in one
+``C.bind(...)`` call by the package's install step (``_hooks/install.py``,
+the one writer: it may import every layer), from each owner's
+``NATIVE_HOOKS``:
 
-* torch_xla's functions and torch's, bound by ``xla`` (the owner of every
+* torch_xla's functions and torch's, from ``xla`` (the owner of every
   ``_XLAC`` call);
-* the poisoned twin classes, bound by ``_outcomes.poison``;
+* the poisoned twin classes, from ``_outcomes.poison``;
 * ``donate_buffer``'s Python half (the precise checks when the native fast
-  path declines), bound by ``_marking.tensor``.
+  path declines), from ``_marking.tensor``.
 
 >>> Verdict.REUSED.name, Via.DONATE_BUFFER.value
 ('REUSED', 0)

@@ -272,8 +272,9 @@ def _dtype_info(dtype: torch.dtype):
 # The native hot path (``C.donate_buffer``, ``C.try_mark`` and the step
 # hook's batch helpers in csrc/) asks torch_xla the questions above through
 # these very functions: when one of them changes, this is still the one
-# place to adapt.
-C.bind(
+# place to adapt.  The package's install step hands them over with the other
+# layers' (``C.bind``, _hooks/install.py).
+NATIVE_HOOKS = dict(
     tensor_type=torch.Tensor,
     fast_types=(torch.Tensor, torch.nn.Parameter),
     set_donor=REAL["_set_buffer_donation"],

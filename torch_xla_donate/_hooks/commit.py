@@ -179,8 +179,7 @@ def undecided(tensors, records, error, notices) -> list:
         except Exception:
             pass  # not an XLA tensor: nothing was armed on it
     dropped = [r for r in records if r.verdict == C.Verdict.IN_FLIGHT]
-    for record in dropped:
-        C.settle(record, C.Verdict.DROPPED)
+    verdicts.drop(dropped)
     if dropped:
         notices.add(
             DroppedDonationWarning,
@@ -318,7 +317,7 @@ def _cancel_junk(tensors, records):
             keep_t.append(t)
             keep_r.append(record)
         else:
-            C.settle(record, C.Verdict.DROPPED)
+            verdicts.drop([record])
     return keep_t, keep_r
 
 

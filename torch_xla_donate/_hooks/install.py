@@ -8,16 +8,37 @@ TorchScript's call translation (torchscript.py) and the guard of
 them out and cancels every mark: without the hooks nothing would commit
 them, and nothing may be left for torch_xla to find.
 
+Importing this module hands the native library, in one ``C.bind`` call,
+every Python callable it calls back (``bind_native``): this is the one
+writer of those bindings, as it may import every layer.  torch_xla's and
+torch's functions come from ``_base/xla``, the poisoned twin classes from
+``_outcomes/poison``, ``donate_buffer``'s Python half from
+``_marking/tensor``; each module says what it hands over in its
+``NATIVE_HOOKS``.  Until then the native calls that need them raise
+(``hooks are not bound``); nothing calls them while the package imports.
+
 >>> import torch_xla_donate
 >>> installed()
 True
 """
-from .._base import config, fast_path
+from .._base import config, fast_path, xla
 from .._base.lock import lock
 from .._base.native import C
+from .._marking import tensor
+from .._outcomes import poison
 from . import dynamo, executions, gradient_accumulation, torchscript
 
-__all__ = ["install", "uninstall", "installed"]
+__all__ = ["install", "uninstall", "installed", "bind_native"]
+
+
+def bind_native() -> None:
+    """Hands the native library every callable it calls back, in one call
+    (once, at import; binding again replaces them, and forgets the native
+    cache of poisoned classes)."""
+    C.bind(**xla.NATIVE_HOOKS, **poison.NATIVE_HOOKS, **tensor.NATIVE_HOOKS)
+
+
+bind_native()
 
 
 def install() -> None:

@@ -59,7 +59,9 @@ def donate_buffer_checked(tensor) -> None:
     mark_checked(tensor, (frame.f_code.co_filename, frame.f_lineno))
 
 
-C.bind(donate_buffer_checked=donate_buffer_checked)
+# Where ``C.donate_buffer`` hands a tensor it declines: the package's install
+# step binds it (_hooks/install.py).
+NATIVE_HOOKS = dict(donate_buffer_checked=donate_buffer_checked)
 
 
 @torch.compiler.substitute_in_graph(C.donate_buffer)

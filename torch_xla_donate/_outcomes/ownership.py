@@ -50,7 +50,7 @@ c10's counts: a copy made since the last barrier is refused here
 from .._base import reads, xla
 from .._base.errors import DroppedDonationWarning
 from .._base.native import C
-from . import devices
+from . import devices, verdicts
 
 # The rooms this module judges with; their names stay importable from here
 # (the commit and sharing.py use them as ``ownership.<name>``).
@@ -159,8 +159,7 @@ def judge_at_commit(held, notices) -> list:
 def drop(entries, why: str, notices) -> None:
     """Settles ``entries`` DROPPED (value kept); one warning, held in
     ``notices`` (messages.Notices) until the commit is whole."""
-    for _, record in entries:
-        C.settle(record, C.Verdict.DROPPED)
+    verdicts.drop([record for _, record in entries])
     notices.add(
         DroppedDonationWarning,
         "Donations dropped before a step{at_step}: {items}. Since they were marked, " + why

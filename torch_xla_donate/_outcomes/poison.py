@@ -341,5 +341,8 @@ def donated_in(args, kwargs):
     return found
 
 
-C.bind(donated_type=_DonatedTensor, poison_class_for=_poison_class_for,
-        dispatch_class_for=_dispatch_class_for, from_functional=torch._from_functional_tensor)
+# What native poisoning (csrc/outcomes/poison.cpp, ``C.disarm_and_poison``)
+# calls back: the package's install step binds them (_hooks/install.py).
+NATIVE_HOOKS = dict(donated_type=_DonatedTensor, poison_class_for=_poison_class_for,
+                    dispatch_class_for=_dispatch_class_for,
+                    from_functional=torch._from_functional_tensor)

@@ -34,14 +34,28 @@ The verdicts
 
 torch_xla's donor flag was cleared as soon as the execution had built its
 graph (commit.py), so an unused donation cannot fire at a later step.
+
+Where each verdict is set
+-------------------------
+Once, in one place each; every Python ``C.settle`` call is in this module
+(test/base/test_layering.py checks):
+
+* REUSED: natively only, ``C.settle_entries`` (csrc/hooks/commit.cpp), for
+  a barrier's entries (``_settle``) and for one tensor about to be used
+  (``settle_one``) alike;
+* UPDATED_IN_PLACE: natively, ``C.split_committed`` at the commit;
+* UNUSED, STEP_FAILED, DISABLED (value kept, poison lifted): ``_keep``;
+* LOST: ``_lose``;
+* DROPPED: ``drop``, which the commit's judges call
+  (``ownership.drop``, ``commit.undecided``, ``commit._cancel_junk``).
 """
 from .._base import reads, xla
 from .._base.lock import lock
 from .._base.native import C
-from . import auto, devices, failures, ownership, poison, unused
+from . import auto, autograd_holds, companions, devices, failures, poison, unused
 
-__all__ = ["after_commit", "settle", "settle_one", "abandon", "failed", "settled_listeners",
-           "notify_settled"]
+__all__ = ["after_commit", "settle", "settle_one", "abandon", "failed", "drop",
+           "settled_listeners", "notify_settled"]
 
 # (tensor, record) C.Entry of committed donations whose verdict is not known
 # yet; the tensor is None once the commit released it (commit.finish): the
@@ -55,7 +69,7 @@ settled_listeners = []
 
 
 def notify_settled() -> None:
-    ownership.settle_companions()
+    companions.settle_companions()
     for listener in settled_listeners:
         listener()
 
@@ -79,9 +93,7 @@ def abandon(entries, verdict) -> None:
     a step block that raised before its sync): values kept, poison lifted,
     no warning."""
     for t, record in entries:
-        C.settle(record, verdict)
-        if poison.is_poisoned(t):
-            poison.unpoison(t)
+        _keep(t, record, verdict)
 
 
 def failed(entries) -> None:
@@ -94,11 +106,9 @@ def failed(entries) -> None:
         if record.verdict != C.Verdict.IN_FLIGHT:
             continue
         if _consumed(entry):
-            C.settle(record, C.Verdict.LOST)
-            if t is not None and not poison.is_poisoned(t):
-                poison.poison(t, record)
+            _lose(t, record)
         else:
-            _fail(t, record)
+            _keep(t, record, C.Verdict.STEP_FAILED)
 
 
 def _consumed(entry) -> bool:
@@ -125,7 +135,7 @@ def _settle(entries, certain: bool) -> list:
     # meantime; REUSED if its buffer is deleted; else unused or unknown.
     unknown, unusable = C.settle_entries(entries, certain)
     for t, record in unusable:
-        _unuse(t, record)
+        _keep(t, record, C.Verdict.UNUSED)
     if unusable:
         unused.warn(unusable)
     return unknown
@@ -155,13 +165,15 @@ def settle_one(t, record) -> None:
         held = next((e[0] for e in _in_flight if e[1].id == record.id and e[0] is not None), t)
         if failures.in_failed_step(record):
             failed([(held, record)])
-        elif reads.is_consumed(t):
-            C.settle(record, C.Verdict.REUSED)
         else:
-            _unuse(held, record)
-            notify_settled()
-            unused.warn([(held, record)])
-            return
+            # The barrier's native settle, for this one entry: REUSED if the
+            # buffer of ``t`` (the tensor being used) is deleted.
+            _, unusable = C.settle_entries([(t, record)], True)
+            if unusable:
+                _keep(held, record, C.Verdict.UNUSED)
+                notify_settled()
+                unused.warn([(held, record)])
+                return
         notify_settled()
 
 
@@ -190,7 +202,7 @@ def settle() -> None:
     """
     global _in_flight
     if xla.runtime_started():
-        ownership.settle_autograd(devices.barrier_device(""))
+        autograd_holds.settle_autograd(devices.barrier_device(""))
     auto.settle()
     with lock:
         entries, _in_flight = _in_flight, []
@@ -213,15 +225,31 @@ def in_flight_count() -> int:
     return len(_in_flight)
 
 
-def _unuse(t, record) -> None:
-    C.settle(record, C.Verdict.UNUSED)
-    if t is not None:  # None: released at the commit, never poisoned
+def _keep(t, record, verdict) -> None:
+    """Settles ``record`` with a verdict that leaves ``t`` its value
+    (UNUSED, STEP_FAILED, DISABLED) and lifts its poison.  ``t`` is None for
+    an entry the commit released: nobody held it, nothing was poisoned.
+
+    An unused donation's caller warns (unused.py); a failed step's and a
+    switched-off one's stay quiet (the failure, the switch are the news).
+    """
+    C.settle(record, verdict)
+    if t is not None and poison.is_poisoned(t):
         poison.unpoison(t)
 
 
-def _fail(t, record) -> None:
-    """An in-flight donation whose step failed: it keeps its value, quietly
-    (the step's error is the user's news, not an unused donation)."""
-    C.settle(record, C.Verdict.STEP_FAILED)
-    if t is not None:
-        poison.unpoison(t)
+def _lose(t, record) -> None:
+    """LOST: the step failed and took the buffer with it; ``t`` refuses use
+    as a consumed tensor does."""
+    C.settle(record, C.Verdict.LOST)
+    if t is not None and not poison.is_poisoned(t):
+        poison.poison(t, record)
+
+
+def drop(records) -> None:
+    """DROPPED: marks a commit decided not to donate (another holder shares
+    the buffer, torch_xla refused the flag, a check raised, no XLA tensor).
+    Never armed nor poisoned, so the values stay as they are; the caller
+    says why (a ``DroppedDonationWarning``), or nothing for junk."""
+    for record in records:
+        C.settle(record, C.Verdict.DROPPED)
