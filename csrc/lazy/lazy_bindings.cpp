@@ -120,8 +120,8 @@ py::object Excess(py::sequence tensors, bool force) {
       allowed += rows[m].expected;
       refs = std::max(refs, rows[m].refs);
     }
-    const int64_t extra = std::max(rows[i].actual - allowed,
-                                   refs - static_cast<int64_t>(members.size()));
+    const int64_t extra =
+        std::max(rows[i].actual - allowed, refs - static_cast<int64_t>(members.size()));
     if (extra > 0) {
       for (size_t m : members) over.append(py::make_tuple(m, extra));
     }
