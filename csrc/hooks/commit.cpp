@@ -108,15 +108,61 @@ py::tuple Arm(py::list donors) {
 }
 
 // Clears the donor flag of every entry.  Never raises for one tensor: a
-// buffer a step consumed keeps a flag nothing can read any more.
-void Disarm(py::list entries) {
+// buffer a step consumed keeps a flag nothing can read any more.  An entry
+// released before its execution (ReleaseUnheld) that then failed keeps its
+// flag on a buffer the failed step's pending outputs still read: with a
+// `carrier` XLA tensor and torch_xla's `set_donation`, it is cleared through
+// the carrier (lazy_reads.h SetHeldBufferDonation).
+void Disarm(py::list entries, py::object carrier, py::object set_donation) {
   RequireBound();
   for (size_t i = 0, n = entries.size(); i < n; ++i) {
+    PyObject* entry = PyList_GET_ITEM(entries.ptr(), i);
     PyObject* rec;
-    PyObject* t = TensorOf(PyList_GET_ITEM(entries.ptr(), i), &rec);
-    if (t == Py_None) continue;  // released: its flag is on a buffer no tensor holds
+    PyObject* t = TensorOf(entry, &rec);
+    if (t == Py_None) {
+      const HeldBuffer* buffer = EntryBuffer(entry);
+      if (buffer && !carrier.is_none() &&
+          SetHeldBufferDonation(buffer, carrier.ptr(), set_donation.ptr(), false) < 0)
+        PyErr_Clear();
+      continue;
+    }
     if (SetDonor(t, false) < 0) PyErr_Clear();
   }
+}
+
+// Lets `entry`'s donor go if nothing but the entry refers to it (no other
+// Python reference, no C++ owner of its TensorImpl) and its buffer can be
+// read natively: the entry keeps only its buffer (lazy_reads.h HeldBuffer).
+// True when released.
+bool ReleaseIfUnheld(PyObject* entry, PyObject* t) {
+  if (t == Py_None || Py_REFCNT(t) != 1 || !LazyReadsEnabled()) return false;
+  TensorFacts facts;
+  const int read = Facts(t, &facts, /*with_sizes=*/false);
+  Check(read >= 0);
+  HeldBuffer* buffer =
+      read == 1 && facts.impl_use_count == 1 ? TakeBuffer(ImplAddress(t)) : nullptr;
+  if (!buffer) return false;
+  if (!ReleaseEntryTensor(entry, buffer)) {
+    DropBuffer(buffer);  // a tuple: kept
+    return false;
+  }
+  return true;
+}
+
+// Before the real execution, with the flags armed: lets go of every donor
+// nothing but its entry refers to (the loop rebound its name), so that
+// torch_xla's barrier does not walk, and its graph does not keep, tensors
+// nobody can read; it takes the armed buffers from the pending IR that
+// reads them.  Returns how many were released.
+size_t ReleaseUnheld(py::list donors) {
+  RequireBound();
+  size_t released = 0;
+  for (size_t i = 0, n = donors.size(); i < n; ++i) {
+    PyObject* entry = PyList_GET_ITEM(donors.ptr(), i);
+    PyObject* rec;
+    released += ReleaseIfUnheld(entry, TensorOf(entry, &rec));
+  }
+  return released;
 }
 
 // After the real execution has built its graph: clear the donor flag of
@@ -150,17 +196,7 @@ py::list DisarmAndPoison(py::list donors, bool release) {
     PyObject* rec;
     PyObject* t = TensorOf(entry, &rec);
     if (t == Py_None) continue;  // released by an earlier commit's call
-    if (release && Py_REFCNT(t) == 1 && LazyReadsEnabled()) {
-      TensorFacts facts;
-      const int read = Facts(t, &facts, /*with_sizes=*/false);
-      Check(read >= 0);
-      HeldBuffer* buffer =
-          read == 1 && facts.impl_use_count == 1 ? TakeBuffer(ImplAddress(t)) : nullptr;
-      if (buffer) {
-        if (!ReleaseEntryTensor(entry, buffer)) DropBuffer(buffer);  // a tuple: kept
-        continue;
-      }
-    }
+    if (release && ReleaseIfUnheld(entry, t)) continue;
     int unreachable = OnlyHeldByItsEntry(t);
     Check(unreachable >= 0);
     if (unreachable) continue;
@@ -215,7 +251,9 @@ void RegisterCommit(PyObject* module) {
         py::arg("pending"));
   m.def("pending_flags", &PendingFlagsOf, py::arg("tensors"));
   m.def("arm", &Arm, py::arg("donors"));
-  m.def("disarm", &Disarm, py::arg("entries"));
+  m.def("disarm", &Disarm, py::arg("entries"), py::arg("carrier") = py::none(),
+        py::arg("set_donation") = py::none());
+  m.def("release_unheld", &ReleaseUnheld, py::arg("donors"));
   m.def("disarm_and_poison", &DisarmAndPoison, py::arg("donors"), py::arg("release") = false);
   m.def("entry_consumed", &EntryConsumed, py::arg("entry"));
   m.def("settle_entries", &SettleEntries, py::arg("entries"), py::arg("certain"));

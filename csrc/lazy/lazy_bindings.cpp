@@ -7,7 +7,10 @@
 
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
 #include <string>
+#include <unordered_map>
+#include <vector>
 
 #include "base/tensor_access.h"
 #include "lazy/lazy_reads.h"
@@ -79,6 +82,53 @@ py::object Holders(py::handle t, bool force) {
   return py::make_tuple(f.expected_holders, f.buffer_use_count, f.xla_tensor_refcount);
 }
 
+// The donors among `tensors` whose buffer, or XLA tensor, has holders
+// beyond those the donors sharing it account for: a list of (index, extra
+// holders), [] for none (the common case, no Python object per tensor),
+// None when any tensor's holders are unknown (Holders answers None).
+// Donors sharing one buffer are judged together: the buffer may have the
+// sum of their expected holders, and their XLATensor one owner each.
+py::object Excess(py::sequence tensors, bool force) {
+  struct Row {
+    uintptr_t key;
+    int64_t expected, actual, refs;
+  };
+  const size_t n = py::len(tensors);
+  std::vector<Row> rows(n);
+  bool clean = true;
+  for (size_t i = 0; i < n; ++i) {
+    LazyFacts f;
+    if (!ReadMaybeForced(tensors[i], force, &f) || !f.has_handle || !f.is_functional)
+      return py::none();
+    // No live buffer (0): a group of its own.
+    rows[i] = {f.has_value ? f.buffer : 0, f.expected_holders, f.buffer_use_count,
+               f.xla_tensor_refcount};
+    clean = clean && f.buffer_use_count <= f.expected_holders && f.xla_tensor_refcount <= 1;
+  }
+  py::list over;
+  if (clean) return std::move(over);
+  std::unordered_map<uintptr_t, std::vector<size_t>> groups;
+  for (size_t i = 0; i < n; ++i) {
+    if (rows[i].key != 0) groups[rows[i].key].push_back(i);
+  }
+  for (size_t i = 0; i < n; ++i) {
+    std::vector<size_t> alone{i};
+    const std::vector<size_t>& members = rows[i].key != 0 ? groups[rows[i].key] : alone;
+    if (members.front() != i) continue;  // judged with the group's first member
+    int64_t allowed = 0, refs = 0;
+    for (size_t m : members) {
+      allowed += rows[m].expected;
+      refs = std::max(refs, rows[m].refs);
+    }
+    const int64_t extra =
+        std::max(rows[i].actual - allowed, refs - static_cast<int64_t>(members.size()));
+    if (extra > 0) {
+      for (size_t m : members) over.append(py::make_tuple(m, extra));
+    }
+  }
+  return std::move(over);
+}
+
 // What torch_xla's owner query (_get_tensors_xla_device_data_node) answers
 // for a tensor with a live buffer, without its side effects: it asks for
 // the tensor's IR value, and a tensor with a handle but no cached IR value
@@ -143,6 +193,10 @@ void RegisterLazyReads(PyObject* module) {
       "tensor has, those it has, and the owners of its XLATensor (2+: shared by Python "
       "tensors); None without a handle, without functionalization, or when the read "
       "declines.");
+  m.def("lazy_excess", &Excess, py::arg("tensors"), py::arg("force") = false,
+        "The donors among `tensors` with more buffer holders (or XLATensor owners) than the "
+        "donors sharing their buffer account for: [(index, extra)], [] for none; None when "
+        "the holders of any are unknown (as lazy_holders).");
   m.def(
       "lazy_owner_ids",
       [](py::iterable tensors, bool force) {

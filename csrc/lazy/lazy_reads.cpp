@@ -22,6 +22,7 @@
 #include <exception>
 #include <typeinfo>
 
+#include "base/tensor_access.h"
 #include "lazy/lazy_tensor_of.h"
 
 namespace torch_xla_donate {
@@ -196,6 +197,24 @@ HeldBuffer* TakeBuffer(uintptr_t address) {
 bool HeldBufferConsumed(const HeldBuffer* buffer) { return !buffer->data->HasValue(); }
 
 void DropBuffer(HeldBuffer* buffer) { delete buffer; }
+
+int SetHeldBufferDonation(const HeldBuffer* buffer, PyObject* carrier, PyObject* set_donation,
+                          bool flag) {
+  const uintptr_t address = ImplAddress(carrier);
+  bool functional = false;
+  LazyTensor* lazy = address == 0 ? nullptr : XlaLazyTensorOf(address, &functional);
+  if (lazy == nullptr || !buffer->data) return 0;
+  const std::shared_ptr<LazyTensor::Data>& data = lazy->data();
+  torch::lazy::BackendDataPtr own = data->handle;
+  data->handle = buffer->data;
+  PyObject* ok =
+      PyObject_CallFunctionObjArgs(set_donation, carrier, flag ? Py_True : Py_False, nullptr);
+  data->handle = std::move(own);
+  if (ok == nullptr) return -1;
+  const int accepted = ok == Py_True ? 1 : 0;
+  Py_DECREF(ok);
+  return accepted;
+}
 
 void SetLazyReadsEnabled(bool on) { g_enabled.store(on, std::memory_order_release); }
 

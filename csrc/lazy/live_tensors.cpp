@@ -231,23 +231,24 @@ void RegisterLiveTensors(PyObject* module) {
           on = SameStepCopies(keys, &found);
         }
         if (!on) return py::none();
-        py::list out;
+        // Sparse: nothing per donor that has no copy (every donor, mostly).
+        py::dict out;
         for (size_t i = 0; i < n; ++i) {
           if (!read[i]) {
-            out.append(py::none());
-            continue;
+            out[py::int_(i)] = py::none();
+          } else if (!found[i].empty()) {
+            py::list holders;
+            for (int64_t id : found[i]) holders.append(py::int_(id));
+            out[py::int_(i)] = std::move(holders);
           }
-          py::list holders;
-          for (int64_t id : found[i]) holders.append(py::int_(id));
-          out.append(std::move(holders));
         }
-        return out;
+        return std::move(out);
       },
       py::arg("donors"),
-      "For each donor: the torch_xla ids of the live tensors other than the donors whose value "
-      "the barrier takes from its buffer (copies made since the last barrier), [] for none, "
-      "None when it cannot be read (check it another way).  None for the whole list when the "
-      "walk is off.");
+      "{index: ids} for the donors with copies: the torch_xla ids of the live tensors other "
+      "than the donors whose value the barrier takes from its buffer (copies made since the "
+      "last barrier); {index: None} for a donor that cannot be read (check it another way); "
+      "donors with neither are left out.  None when the walk is off.");
 }
 
 }  // namespace torch_xla_donate

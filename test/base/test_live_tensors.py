@@ -38,7 +38,7 @@ def test_the_walk_counts_what_torch_xla_counts(walk, dev):
 @pytest.mark.parametrize("copy", list(COPIES))
 def test_a_copy_made_since_the_barrier_is_found(walk, copy):
     c = COPIES[copy](walk)
-    found = arena.same_step_copies([walk])[0]
+    found = arena.same_step_copies([walk]).get(0)
     assert reads.tensor_id(c) in found
 
 
@@ -53,26 +53,26 @@ READS = {
 @pytest.mark.parametrize("use", list(READS))
 def test_what_only_reads_the_donor_is_no_holder(walk, use):
     out = READS[use](walk)
-    assert arena.same_step_copies([walk]) == [[]], out
+    assert arena.same_step_copies([walk]) == {}, out
 
 
 def test_a_donor_that_is_itself_a_copy_finds_its_source(walk):
     c = walk.to(walk.device, copy=True)
     assert reads.tensor_id(walk) in arena.same_step_copies([c])[0]
     # Donated together: neither holds the other's value against the step.
-    assert arena.same_step_copies([walk, c]) == [[], []]
+    assert arena.same_step_copies([walk, c]) == {}
 
 
 def test_after_the_barrier_a_copy_holds_a_buffer_of_its_own_kind(walk):
     c = walk.to(walk.device, copy=True)
     torch_xla.sync()
     # It now shares the buffer as a handle (holder counts see that), not as IR.
-    assert arena.same_step_copies([walk]) == [[]]
+    assert arena.same_step_copies([walk]) == {}
     assert reads.buffer_key(c) == reads.buffer_key(walk)
 
 
 def test_an_unreadable_donor_is_none(walk):
-    assert arena.same_step_copies([walk, torch.ones(2), walk * 2]) == [[], None, None]
+    assert arena.same_step_copies([walk, torch.ones(2), walk * 2]) == {1: None, 2: None}
 
 
 _GUARD = """

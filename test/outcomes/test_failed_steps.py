@@ -184,3 +184,42 @@ def test_a_failing_step_never_poisons_an_input_it_gave_back(dev):
         assert not torch_xla._XLAC._is_placecholder(p)
     assert poisoned == 0, f"{poisoned} of {runs} intact inputs were poisoned"
     assert _C.marked_count() == 0
+
+
+def test_a_donor_let_go_before_a_failing_barrier_is_disarmed(dev, monkeypatch):
+    """A donor only its entry holds is let go before the real barrier
+    (commit.release_unheld); when that barrier fails, its buffer is no
+    tensor's but still armed: ``fail`` clears the flag through a carrier."""
+    from torch_xla_donate._base import reads
+    from torch_xla_donate._hooks import commit
+
+    reads.tensor_id(torch.zeros(1).to(dev))  # the reads' self-test runs before the spy
+    real = commit.xla.real
+    seen = []
+
+    def spy_real(name):
+        fn = real(name)
+        if name != "_set_buffer_donation":
+            return fn
+
+        def set_donation(carrier, flag):
+            seen.append((torch_xla._XLAC._get_buffer_donation(carrier), flag))
+            return fn(carrier, flag)
+        return set_donation
+
+    monkeypatch.setattr(commit.xla, "real", spy_real)
+
+    def step():
+        p = materialize(torch.arange(float(N), device=dev))
+        tdx.donate_buffer(p)
+        p = p + 1  # the donor is only the entry's now
+        huge = unallocatable(dev)
+        torch_xla.sync(wait=True)
+
+    fails(step, "Out of memory allocating 281474976710656 bytes")
+    step_no = _C.current_step()
+    drain()
+    assert seen == [(True, False)], "the released donor's buffer was left armed"
+    stats = _C.step_stats(step_no)
+    assert (stats["failed"], stats["reused"], stats["in_flight"]) == (1, 0, 0)
+    assert _C.marked_count() == 0

@@ -124,7 +124,7 @@ def _self_test(donors):
         if facts is None or not facts.has_handle:
             continue
         copy = t.to(t.device, copy=True)  # dies before the barrier: no trace in the step
-        found = C.same_step_copies([t])[0]
+        found = C.same_step_copies([t]).get(0)
         if found is None or reads.tensor_id(copy) not in found:
             return "a copy made on purpose from a donor was not found"
         return None
@@ -177,13 +177,14 @@ def decide_on(tensors) -> bool:
 
 
 def same_step_copies(donors):
-    """For each donor: the torch_xla ids of the live tensors, other than the
-    donors, that the barrier will back with its buffer (a copy made since
-    the last barrier), ``[]`` for none, None where the donor cannot be read.
-    None for the whole list when the walk is off."""
+    """``{index: ids}`` for the donors with copies: the torch_xla ids of the
+    live tensors, other than the donors, that the barrier will back with
+    its buffer (a copy made since the last barrier); ``{index: None}``
+    where the donor cannot be read.  A donor with neither is left out:
+    nothing per donor in the common case.  None when the walk is off."""
     donors = list(donors)
     if not donors:
-        return []
+        return {}
     return C.same_step_copies(donors) if decide_on(donors) else None
 
 

@@ -58,6 +58,11 @@ selected one):
   own its XLATensor (2+: ``_replace_xla_tensor`` made Python tensors share
   it); None when unknown.  One native call for a list: what an ownership
   decision asks per donor;
+* ``excess(ts)``: the donors whose holders exceed what the donors sharing
+  their buffer account for (the holders' sum of ``expected``, one XLATensor
+  owner each), as ``[(index, extra)]``; ``[]`` for none, with no Python
+  object per tensor (what a commit asks of every donor); None when any
+  tensor's holders are unknown;
 * ``facts(t)``: every native fact (``LazyFacts``), None when unknown.
 
 Native code (the ledger's hot path) reads the same facts with
@@ -79,7 +84,7 @@ from .native import C
 
 __all__ = ["ENV", "LazyFacts", "Holders", "native", "xlac", "path", "decide_on", "decided",
            "tensor_id", "is_pending", "pending_flags", "is_consumed", "buffer_key", "owner_ids",
-           "holders", "facts"]
+           "holders", "excess", "facts"]
 
 ENV = "TORCH_XLA_DONATE_NATIVE_READS"
 
@@ -121,6 +126,7 @@ xlac = types.SimpleNamespace(
     buffer_key=_xlac_buffer_key,
     owner_ids=_xlac_owner_ids,
     holders=lambda tensors: [None for _ in tensors],
+    excess=lambda tensors: None,
     facts=lambda t: None,
 )
 
@@ -182,6 +188,7 @@ native = types.SimpleNamespace(
     buffer_key=_native_buffer_key,
     owner_ids=_native_owner_ids,
     holders=_native_holders,
+    excess=C.lazy_excess,
     facts=_native_facts,
 )
 
@@ -293,6 +300,11 @@ def owner_ids(tensors) -> list:
 def holders(tensors) -> list:
     tensors = list(tensors)
     return _selected(tensors).holders(tensors)
+
+
+def excess(tensors):
+    tensors = list(tensors)
+    return _selected(tensors).excess(tensors)
 
 
 def facts(t):

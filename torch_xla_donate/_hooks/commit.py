@@ -133,6 +133,8 @@ def barrier_before(device="", devices=(), wait=True, reset_scope=True, *, commit
                 notices.add(DroppedDonationWarning, "Automatic donation skipped a step{at_step}"
                             f"{{items}}: {type(error).__name__}: {auto.braces_safe(error)}. Please "
                             "report this.", [])
+        if donors and xla.local_device_count() == 1:
+            release_unheld(donors)
         return token
     except BaseException:
         lock.release()
@@ -199,7 +201,7 @@ def barrier_after(token, result, error):
         if token is _FLUSH:
             return result
         if error is not None:
-            fail(token.donors, token.auto)
+            fail(token.donors, token.auto, token.device)
             return result
         _devices.note_barrier(token.device)
         if xla.local_device_count() == 1:
@@ -212,6 +214,19 @@ def barrier_after(token, result, error):
         lock.release()
         if token is not _FLUSH and token.notices:
             token.notices.deliver(quietly=sys.exc_info()[1] is not None)
+
+
+def release_unheld(donors) -> None:
+    """Lets go of the armed donors nothing but their entry refers to (the
+    loop rebound its name), before the real execution: each entry keeps
+    only its buffer, the one thing its verdict reads, and the Python
+    tensor, its wrapper and its XLATensor die now, as raw donation's die
+    while tracing.  So torch_xla's barrier neither walks nor keeps them
+    (with them alive it costs about 1.6k instructions more per donor,
+    benchmarks/bench_instructions.py).  One device only: with several,
+    verdicts are split by the tensor's device.  After ``auto.at_commit``,
+    whose search must see the donors as held."""
+    C.release_unheld(donors)
 
 
 def finish(device, donors, notices, certain: bool) -> None:
@@ -239,7 +254,7 @@ def finish(device, donors, notices, certain: bool) -> None:
     verdicts.after_commit(device, donors, certain=certain)
 
 
-def fail(donors, dead_inputs=None) -> None:
+def fail(donors, dead_inputs=None, device=None) -> None:
     """The end of every commit whose execution raised (a step barrier's, a
     compiled call's): no flag stays armed, the dead inputs armed with the
     donors (``auto.at_commit``'s token) are let go, every step so far may
@@ -247,9 +262,17 @@ def fail(donors, dead_inputs=None) -> None:
     read "unused"), and the donors settle STEP_FAILED, values kept, or
     LOST if torch_xla lost the buffer (``verdicts.failed``).  Called with
     the lock held.
+
+    The tricky case: a donor ``release_unheld`` let go before the execution.
+    Its buffer is no tensor's, but the failed step's pending outputs still
+    read it and the next barrier runs them again: its flag is cleared
+    through a carrier tensor of ``device`` (the barrier's).
     """
     auto.abandon(dead_inputs)
-    C.disarm(donors)
+    if device is not None and any(t is None for t, _ in donors):
+        C.disarm(donors, auto.carrier(device), xla.real("_set_buffer_donation"))
+    else:
+        C.disarm(donors)
     failures.note_failure()
     verdicts.failed(donors)
 

@@ -155,7 +155,10 @@ def require() -> None:
             "(tdx.donate_buffer / tdx.donate) instead.")
 
 
-def _carrier(device):
+def carrier(device):
+    """An XLA tensor of ``device`` whose handle native code points at a
+    buffer no tensor holds, for one ``_set_buffer_donation`` call (the dead
+    inputs here; a donor released before its execution, commit.py)."""
     key = str(device)
     carrier = _state["carriers"].get(key)
     if carrier is None:
@@ -203,7 +206,7 @@ def at_commit(device):
     if not inputs:
         return None
     set_donation = xla.real("_set_buffer_donation")
-    found.arm(_carrier(device), set_donation, True)
+    found.arm(carrier(device), set_donation, True)
     return found, inputs, device
 
 
@@ -213,7 +216,7 @@ def after_graph(token) -> None:
     if token is None:
         return
     found, inputs, device = token
-    found.arm(_carrier(device), xla.real("_set_buffer_donation"), False)
+    found.arm(carrier(device), xla.real("_set_buffer_donation"), False)
     with _lock:
         _totals["steps"] += 1
         _totals["armed"] += len(inputs)
@@ -225,7 +228,7 @@ def abandon(token) -> None:
     """The execution failed: disarm, release, count nothing."""
     if token is not None:
         found, _, device = token
-        found.arm(_carrier(device), xla.real("_set_buffer_donation"), False)
+        found.arm(carrier(device), xla.real("_set_buffer_donation"), False)
         found.release()
 
 

@@ -119,24 +119,28 @@ def screen(donors, notices) -> list:
     copies = arena.same_step_copies(tensors)
     if copies is None:  # no walk: every donor searched for, copies made in the step too
         return _screen_by_search(donors, notices, every=True)
-    if any(copies):
+    if copies:
         donors = _drop_same_step_copies(donors, copies, notices)
         if not donors:
             return donors
         tensors = [t for t, _ in donors]
-    counts = reads.holders(tensors)
-    if any(c is None for c in counts):  # copies in the step already looked for
+    # Natively, with no Python object per donor: [] when every buffer has
+    # only the holders its donors account for (the common case).
+    over = reads.excess(tensors)
+    if over is None:  # copies in the step already looked for
         return _screen_by_search(donors, notices)
-    over = _excess(tensors, counts)
     graph_holds_inputs = _graph_holds_inputs_at == C.current_step()
     if over:
         # A moment's holders: autograd's worker thread, or the previous
         # execution still dispatching with the buffer as its input.
         ownership.settle_autograd(tensors[0].device)
         xla.wait_device_ops()
-        over = _excess(tensors, reads.holders(tensors))
+        over = reads.excess(tensors)
+        if over is None:
+            return _screen_by_search(donors, notices)
     if not over:
         return donors
+    counts = reads.holders(tensors)
     dropped = {}
     named = {} if xla.spmd() else _named_sharers([i for i, _ in over], tensors)
     for i, extra in over:
@@ -166,25 +170,6 @@ def note_graph_holds_inputs() -> None:
     _graph_holds_inputs_at = C.current_step() + 1
 
 
-def _excess(tensors, counts) -> list:
-    """``[(index, extra holders)]`` of the donors whose buffer, or XLA
-    tensor, has holders beyond the donors of this step that share it."""
-    if all(c.actual <= c.expected and c.xla_tensor_refs <= 1 for c in counts):
-        return []
-    groups = {}
-    for i, t in enumerate(tensors):
-        groups.setdefault(reads.buffer_key(t) or -i - 1, []).append(i)
-    over = []
-    for members in groups.values():
-        allowed = sum(counts[i].expected for i in members)
-        actual = counts[members[0]].actual
-        refs = max(counts[i].xla_tensor_refs for i in members)
-        extra = max(actual - allowed, refs - len(members))
-        if extra > 0:
-            over += [(i, extra) for i in members]
-    return over
-
-
 def _named_sharers(indices, tensors) -> dict:
     """Names of the live tensors Python can reach that hold the buffer of
     each donor at ``indices`` (index -> names; absent: none found)."""
@@ -201,12 +186,12 @@ def _named_sharers(indices, tensors) -> dict:
 
 
 def _drop_same_step_copies(donors, copies, notices) -> list:
-    """Drops the donors whose ``copies`` (the walk's answer, per donor: ids
-    of the live tensors the barrier backs with its buffer, None where the
+    """Drops the donors whose ``copies`` (the walk's answer, index -> ids of
+    the live tensors the barrier backs with its buffer, None where the
     donor could not be read) list a holder; an unread donor is searched for
     in Python.  Returns the donors left."""
-    hits = {i: ids for i, ids in enumerate(copies) if ids}
-    unread = [donors[i] for i, ids in enumerate(copies) if ids is None]
+    hits = {i: ids for i, ids in copies.items() if ids}
+    unread = [donors[i] for i, ids in copies.items() if ids is None]
     named = _names_of(set().union(*hits.values())) if hits else {}
     dropped = {}
     for i, ids in hits.items():
