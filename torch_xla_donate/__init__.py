@@ -57,6 +57,9 @@ trampoline (``_hooks/executions.barrier_trampoline``) whose first half is
   at once (``_hooks/commit.arm``); a compiled call only while torch_xla's
   bridge extracts an executable for its donation pattern
   (``_hooks/dynamo._arming``), the one moment the flag counts there.
+  Once armed, a barrier lets go of the donors nothing but their entry
+  refers to (``_hooks/commit.release_unheld``): the entry keeps only the
+  buffer, which the pending IR reads anyway.
 
 Execution
 ---------
