@@ -40,7 +40,7 @@ ext = Pybind11Extension(
     # The torch this is built against: the extension refuses another at import.
     define_macros=[("TDX_BUILT_FOR_TORCH", f'"{torch.__version__}"')],
     library_dirs=[TORCH_LIB],
-    libraries=["c10", "torch_cpu"],
+    libraries=["c10", "torch_cpu", "dl"],  # dl: variable.cpp finds THPVariable_Wrap
     runtime_library_dirs=[TORCH_LIB],
     cxx_std=17,
 )

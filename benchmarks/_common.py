@@ -177,7 +177,15 @@ def save(name: str, data: dict, markdown: str) -> None:
 
 
 def pyplot():
-    import matplotlib
+    """matplotlib's pyplot (headless), or None when matplotlib is missing:
+    the results are saved before any chart, and a chart is skipped with a
+    note (benchmarks/requirements.txt installs it)."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: chart skipped (pip install -r "
+              "benchmarks/requirements.txt)")
+        return None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -170,6 +170,8 @@ def main():
 
 def chart(summary):
     plt = C.pyplot()
+    if plt is None:
+        return
     fig, ax = plt.subplots(figsize=(10, 4))
     w = 0.16
     colors = ["#999999", "#1f77b4", "#2ca02c", "#aec7e8", "#ff7f0e"]

@@ -117,6 +117,8 @@ def main():
 
 def chart(results, args):
     plt = C.pyplot()
+    if plt is None:
+        return
     fig, ax = plt.subplots(figsize=(7, 3.5))
     xs = range(len(MODES))
     warm = [results[m]["after_warmup"] for m in MODES]

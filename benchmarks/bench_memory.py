@@ -362,6 +362,8 @@ def decode(args):
 
 def chart(results):
     plt = C.pyplot()
+    if plt is None:
+        return
     fig, axes = plt.subplots(1, len(WORKLOADS), figsize=(12, 4), sharey=True)
     colors = ["#d62728", "#999999", "#1f77b4", "#9467bd", "#17becf", "#ff9896", "#2ca02c"]
     for ax, wname in zip(axes, WORKLOADS):

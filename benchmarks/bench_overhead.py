@@ -347,6 +347,8 @@ def chart(runs):
     saved tracing (the previous step's tensors are freed in the hook rather
     than while tracing), plus the idle hook."""
     plt = C.pyplot()
+    if plt is None:
+        return
     fig, ax = plt.subplots(figsize=(8, 5.5))
     x = list(range(len(runs)))
     w = 0.35

@@ -28,6 +28,7 @@
 #include "base/py_types.h"
 #include "base/tensor_access.h"
 #include "base/tensor_facts.h"
+#include "base/variable.h"
 #include "hooks/commit.h"
 #include "hooks/trampoline.h"
 #include "lazy/lazy_bindings.h"
@@ -186,6 +187,22 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("record"), py::arg("verdict"));
   m.def("current_step", []() { return GlobalLedger().current_step(); });
+  m.def(
+      "functional_inner",
+      [](py::handle t) -> py::object {
+        if (!IsTensor(t.ptr())) throw py::type_error("expected a torch.Tensor");
+        PyObject* inner = FunctionalInnerObject(t.ptr());
+        if (!inner && PyErr_Occurred()) throw py::error_already_set();
+        return inner ? py::reinterpret_steal<py::object>(inner) : py::object(py::none());
+      },
+      py::arg("tensor"),
+      "What poisoning reads for a functional tensor: the wrapped tensor's Python object, as "
+      "torch._from_functional_tensor gives it, through torch's THPVariable_Wrap (variable.h); "
+      "None for another tensor or when that function was not found.");
+  m.def("functional_inner_native", &FunctionalInnerIsNative,
+        "Whether poisoning found torch's THPVariable_Wrap (else it calls the builtin).");
+  m.def("set_functional_inner_native", &SetFunctionalInnerNative, py::arg("on"),
+        "Tests: False makes poisoning call torch._from_functional_tensor.");
   m.def(
       "step_stats",
       [](int64_t step) -> py::object {

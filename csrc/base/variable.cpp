@@ -2,15 +2,58 @@
 // header (torch/csrc/autograd/python_variable.h, shipped in the torch
 // wheel): the layout of a tensor's Python object comes from the torch this
 // extension is built against, which the import checks it runs with.  Only
-// inline code of that header is used; nothing links libtorch_python.
+// inline code of that header is used; nothing links libtorch_python: its
+// THPVariable_Wrap is looked up in the copy torch loaded (torch is imported
+// before any tensor reaches this file), typed by the header's declaration.
 #include "base/variable.h"
 
+#include <ATen/FunctionalTensorWrapper.h>
+#include <dlfcn.h>
 #include <torch/csrc/autograd/python_variable.h>
+
+#include <atomic>
+#include <type_traits>
 
 namespace torch_xla_donate {
 
 uintptr_t VariableImplAddress(PyObject* t) {
   return reinterpret_cast<uintptr_t>(THPVariable_Unpack(t).unsafeGetTensorImpl());
 }
+
+namespace {
+
+// THPVariable_Wrap's type, from the header's declaration (the same in torch
+// 2.7-2.9), and its symbol there.
+using WrapFn = PyObject* (*)(const at::TensorBase&);
+static_assert(std::is_same_v<WrapFn, decltype(&THPVariable_Wrap)>, "THPVariable_Wrap changed");
+constexpr const char* kWrapSymbol = "_Z16THPVariable_WrapRKN2at10TensorBaseE";
+
+std::atomic<bool> g_native_inner{true};  // tests turn it off: the builtin's path
+
+WrapFn Wrap() {
+  if (!g_native_inner.load(std::memory_order_relaxed)) return nullptr;
+  static const WrapFn wrap = []() -> WrapFn {
+    void* lib = dlopen("libtorch_python.so", RTLD_LAZY | RTLD_NOLOAD);
+    if (lib == nullptr) return nullptr;
+    void* symbol = dlsym(lib, kWrapSymbol);
+    dlclose(lib);  // only drops the reference RTLD_NOLOAD added: torch keeps it loaded
+    return reinterpret_cast<WrapFn>(symbol);
+  }();
+  return wrap;
+}
+
+}  // namespace
+
+PyObject* FunctionalInnerObject(PyObject* t) {
+  const WrapFn wrap = Wrap();
+  if (wrap == nullptr) return nullptr;
+  const at::Tensor& outer = THPVariable_Unpack(t);
+  if (!at::functionalization::impl::isFunctionalTensor(outer)) return nullptr;
+  return wrap(at::functionalization::impl::unsafeGetFunctionalWrapper(outer)->value());
+}
+
+bool FunctionalInnerIsNative() { return Wrap() != nullptr; }
+
+void SetFunctionalInnerNative(bool on) { g_native_inner.store(on, std::memory_order_relaxed); }
 
 }  // namespace torch_xla_donate

@@ -8,6 +8,7 @@
 #include "base/py_types.h"
 #include "base/tensor_access.h"
 #include "base/tensor_facts.h"
+#include "base/variable.h"
 #include "outcomes/record_tag.h"
 
 namespace torch_xla_donate {
@@ -87,7 +88,9 @@ int Poison(PyObject* t, PyObject* record) {
   }
   PyObject* inner = t;
   if (facts.is_functional) {
-    inner = PyObject_CallOneArg(g_hooks.from_functional, t);
+    inner = FunctionalInnerObject(t);  // torch's own wrap, without the builtin's parser
+    if (!inner && PyErr_Occurred()) return -1;
+    if (!inner) inner = PyObject_CallOneArg(g_hooks.from_functional, t);
     if (!inner) return -1;
   } else {
     Py_INCREF(inner);

@@ -23,10 +23,16 @@ def consumed_record():
     return record
 
 
-@pytest.fixture
-def donated(consumed_record, dev):
-    t = materialize(torch.ones(2, 3, device=dev))
-    poison.poison(t, consumed_record)
+@pytest.fixture(params=["native inner", "builtin inner"])
+def donated(request, consumed_record, dev):
+    """A poisoned tensor; the tensor it wraps found natively (variable.h) or
+    by torch's builtin, the fallback: both paths give one behaviour."""
+    _C.set_functional_inner_native(request.param == "native inner")
+    try:
+        t = materialize(torch.ones(2, 3, device=dev))
+        poison.poison(t, consumed_record)
+    finally:
+        _C.set_functional_inner_native(True)
     return t
 
 
@@ -235,3 +241,18 @@ def test_load_state_dict_refills_a_module_whose_parameters_were_consumed(dev):
     assert not tdx.is_deleted(model.weight) and type(model.weight) is torch.nn.Parameter
     torch.testing.assert_close(model.weight.detach().cpu(), checkpoint["weight"])
     assert model(torch.ones(1, 4, device=dev)).shape == (1, 4)
+
+
+def test_the_tensor_poisoning_swaps_is_torchs_own(dev):
+    """Poisoning reads the wrapped tensor's object natively (variable.h), as
+    ``torch._from_functional_tensor`` gives it."""
+    t = materialize(torch.arange(3.0, device=dev))
+    assert _C.functional_inner_native(), "torch's THPVariable_Wrap not found"
+    inner = _C.functional_inner(t)
+    assert inner._cdata == torch._from_functional_tensor(t)._cdata
+    assert _C.functional_inner(torch.ones(2)) is None  # no functional tensor
+    _C.set_functional_inner_native(False)
+    try:
+        assert not _C.functional_inner_native() and _C.functional_inner(t) is None
+    finally:
+        _C.set_functional_inner_native(True)

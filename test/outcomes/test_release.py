@@ -79,3 +79,55 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+@pytest.mark.parametrize("fate", sorted(STEPS))
+def test_a_poisoned_donor_dropped_after_its_step_goes_before_the_next_barrier(
+        dev, fate, monkeypatch):
+    """The loop held the old state through its barrier, then dropped it: the
+    poisoned donor, in flight, is let go before the next real barrier (so
+    torch_xla's walk does not meet it), and its verdict, read from the
+    buffer, still comes out right."""
+    from torch_xla_donate._outcomes import verdicts
+
+    x = materialize(torch.arange(16.0, device=dev))
+    tdx.donate_buffer(x)
+    old = x
+    x = STEPS[fate](x)
+    torch_xla.sync(wait=False)
+    gone = weakref.ref(old)
+    del old
+    assert gone() is not None, "kept in flight until the next barrier"
+    seen = []
+    release = verdicts.release_unheld
+
+    def spy():
+        release()
+        seen.append(gone() is None)
+
+    monkeypatch.setattr(verdicts, "release_unheld", spy)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y = x + 1
+        torch_xla.sync()
+    assert seen == [True], "the dropped donor must go before the real barrier"
+    stats = _C.step_stats(_C.current_step() - 1)
+    unused_warned = [w for w in caught if issubclass(w.category, tdx.UnusedDonationWarning)]
+    assert (stats["reused"], stats["unused"], stats["in_flight"]) == (
+        (1, 0, 0) if fate == "reused" else (0, 1, 0))
+    assert len(unused_warned) == (fate == "unused")
+    assert y.cpu().tolist() == (x + 1).cpu().tolist()
+
+
+def test_an_entry_unpacks_as_a_pair(dev):
+    from torch_xla_donate._outcomes import verdicts
+
+    x = materialize(torch.arange(4.0, device=dev))
+    tdx.donate_buffer(x)
+    old = x
+    x = x * 2
+    torch_xla.sync(wait=False)
+    (entry,) = [e for e in verdicts._in_flight if e[0] is old]
+    t, record = entry
+    assert t is old and record is entry[1] and list(entry) == [old, record]
+    tdx.settle()

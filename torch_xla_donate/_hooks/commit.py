@@ -133,7 +133,7 @@ def barrier_before(device="", devices=(), wait=True, reset_scope=True, *, commit
                 notices.add(DroppedDonationWarning, "Automatic donation skipped a step{at_step}"
                             f"{{items}}: {type(error).__name__}: {auto.braces_safe(error)}. Please "
                             "report this.", [])
-        if donors and xla.local_device_count() == 1:
+        if xla.local_device_count() == 1:
             release_unheld(donors)
         return token
     except BaseException:
@@ -225,8 +225,14 @@ def release_unheld(donors) -> None:
     (with them alive it costs about 1.6k instructions more per donor,
     benchmarks/bench_instructions.py).  One device only: with several,
     verdicts are split by the tensor's device.  After ``auto.at_commit``,
-    whose search must see the donors as held."""
-    C.release_unheld(donors)
+    whose search must see the donors as held.
+
+    The donors of earlier steps still in flight go the same way once the
+    loop dropped them (``verdicts.release_unheld``): poisoned, nobody can
+    read them, and their verdicts read only the buffer."""
+    if donors:
+        C.release_unheld(donors)
+    verdicts.release_unheld()
 
 
 def finish(device, donors, notices, certain: bool) -> None:

@@ -115,7 +115,7 @@ def screen(donors, notices) -> list:
     """
     if not donors:
         return donors
-    tensors = [t for t, _ in donors]
+    tensors = [e[0] for e in donors]  # no unpacking: one item read per entry
     copies = arena.same_step_copies(tensors)
     if copies is None:  # no walk: every donor searched for, copies made in the step too
         return _screen_by_search(donors, notices, every=True)
@@ -123,7 +123,7 @@ def screen(donors, notices) -> list:
         donors = _drop_same_step_copies(donors, copies, notices)
         if not donors:
             return donors
-        tensors = [t for t, _ in donors]
+        tensors = [e[0] for e in donors]  # no unpacking: one item read per entry
     # Natively, with no Python object per donor: [] when every buffer has
     # only the holders its donors account for (the common case).
     over = reads.excess(tensors)
@@ -239,7 +239,7 @@ def _screen_by_search(donors, notices, every=False) -> list:
         # sharded buffer that is still being computed (an output of a step
         # run with wait=False): tools/repros/sharded_inflight_query.py.
         return donors
-    tensors = [t for t, _ in donors]
+    tensors = [e[0] for e in donors]  # no unpacking: one item read per entry
     if every:
         owners = {}
         suspects = list(range(len(donors)))

@@ -221,6 +221,18 @@ def settle() -> None:
             notify_settled()
 
 
+def release_unheld() -> None:
+    """Lets go of the in-flight donors nothing but their entry refers to
+    any more (the loop dropped a poisoned tensor after its step): each entry
+    keeps only its buffer, which is all its verdict reads, and nobody is
+    left to lift the poison from.  A barrier calls it before its real
+    execution, so that torch_xla's walk of the live tensors does not meet
+    them again.  One device only (with several, verdicts are split by the
+    tensor's device).  Called with the lock held."""
+    if _in_flight and xla.local_device_count() == 1:
+        C.release_unheld(_in_flight)
+
+
 def in_flight_count() -> int:
     return len(_in_flight)
 

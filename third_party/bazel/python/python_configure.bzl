@@ -109,6 +109,7 @@ cc_library(
     linkopts = [
         "-L{torch_lib}",
         "-ltorch_cpu",
+        "-ldl",  # csrc/base/variable.cpp: dlopen/dlsym of THPVariable_Wrap
         "-Wl,-rpath,{torch_lib}",
     ],
     deps = [":c10"],
