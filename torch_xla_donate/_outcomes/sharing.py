@@ -234,11 +234,17 @@ def _screen_by_search(donors, notices, every=False) -> list:
     holder turns out to be dead is donated, and that owner id is not looked
     for again.
     """
-    if not donors or xla.spmd():
+    if not donors:
+        return donors
+    if xla.spmd():
         # torch_xla 2.9 crashes (SIGSEGV) asking the handle or the owner of a
         # sharded buffer that is still being computed (an output of a step
-        # run with wait=False): tools/repros/sharded_inflight_query.py.
-        return donors
+        # run with wait=False): tools/repros/sharded_inflight_query.py.  So
+        # under SPMD the search first waits until none is: this path (native
+        # reads off, or torch_xla 2.7 under SPMD, where the reads' self-test
+        # keeps it) then blocks at each barrier that donates, and a donor
+        # whose buffer a clone shares is still never donated.
+        xla.wait_device_ops()
     tensors = [e[0] for e in donors]  # no unpacking: one item read per entry
     if every:
         owners = {}
