@@ -67,26 +67,17 @@ class DeadInputs {
     return out;
   }
 
-  // Points `carrier`'s handle at each buffer in turn and calls
-  // set_donation(carrier, flag); the carrier's own handle is restored after
-  // every call, also when it raises.  Returns how many torch_xla accepted.
+  // Sets the donor flag of each buffer to `flag` through `carrier`
+  // (lazy_tensor_of.h SetDonationThroughCarrier: the carrier gets its own
+  // handle back after every call, also when it raises).  Returns how many
+  // torch_xla accepted.
   size_t Arm(py::handle carrier, py::handle set_donation, bool flag) {
-    LazyTensor* lazy = LazyOfTensor(carrier);
-    if (lazy == nullptr) throw py::type_error("the carrier is no XLA tensor");
-    const std::shared_ptr<LazyTensor::Data>& data = lazy->data();
+    if (LazyOfTensor(carrier) == nullptr) throw py::type_error("the carrier is no XLA tensor");
     size_t accepted = 0;
-    for (Dead& d : dead) {
-      BackendDataPtr own = data->handle;
-      data->handle = d.buffer;
-      py::object ok;
-      try {
-        ok = set_donation(carrier, flag);
-      } catch (...) {
-        data->handle = std::move(own);
-        throw;
-      }
-      data->handle = std::move(own);
-      if (ok.ptr() == Py_True) ++accepted;
+    for (const Dead& d : dead) {
+      const int ok = SetDonationThroughCarrier(d.buffer, carrier.ptr(), set_donation.ptr(), flag);
+      if (ok < 0) throw py::error_already_set();
+      accepted += ok;
     }
     return accepted;
   }

@@ -198,15 +198,15 @@ bool HeldBufferConsumed(const HeldBuffer* buffer) { return !buffer->data->HasVal
 
 void DropBuffer(HeldBuffer* buffer) { delete buffer; }
 
-int SetHeldBufferDonation(const HeldBuffer* buffer, PyObject* carrier, PyObject* set_donation,
-                          bool flag) {
+int SetDonationThroughCarrier(const torch::lazy::BackendDataPtr& buffer, PyObject* carrier,
+                              PyObject* set_donation, bool flag) {
   const uintptr_t address = ImplAddress(carrier);
   bool functional = false;
   LazyTensor* lazy = address == 0 ? nullptr : XlaLazyTensorOf(address, &functional);
-  if (lazy == nullptr || !buffer->data) return 0;
+  if (lazy == nullptr || !buffer) return 0;
   const std::shared_ptr<LazyTensor::Data>& data = lazy->data();
   torch::lazy::BackendDataPtr own = data->handle;
-  data->handle = buffer->data;
+  data->handle = buffer;
   PyObject* ok =
       PyObject_CallFunctionObjArgs(set_donation, carrier, flag ? Py_True : Py_False, nullptr);
   data->handle = std::move(own);
@@ -214,6 +214,11 @@ int SetHeldBufferDonation(const HeldBuffer* buffer, PyObject* carrier, PyObject*
   const int accepted = ok == Py_True ? 1 : 0;
   Py_DECREF(ok);
   return accepted;
+}
+
+int SetHeldBufferDonation(const HeldBuffer* buffer, PyObject* carrier, PyObject* set_donation,
+                          bool flag) {
+  return SetDonationThroughCarrier(buffer->data, carrier, set_donation, flag);
 }
 
 void SetLazyReadsEnabled(bool on) { g_enabled.store(on, std::memory_order_release); }

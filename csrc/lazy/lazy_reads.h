@@ -93,12 +93,9 @@ HeldBuffer* TakeBuffer(uintptr_t impl);
 // `_is_placecholder` of the held buffer: it holds no value (consumed).
 bool HeldBufferConsumed(const HeldBuffer* buffer);
 void DropBuffer(HeldBuffer* buffer);
-// Points the XLA tensor at `carrier_impl`'s handle at the held buffer for
-// one call of `set_donation(carrier, flag)` (torch_xla's
-// `_set_buffer_donation`, which reads only the handle), then gives it its
-// own back, also when the call raises: a released donor's flag set or
-// cleared with no tensor of its own.  -1 with a Python error set when the
-// call raised, 0 when the carrier is no XLA tensor or torch_xla refused.
+// The donor flag of the held buffer, set or cleared through the XLA tensor
+// `carrier` (lazy_tensor_of.h SetDonationThroughCarrier, same answers): a
+// released donor has no tensor of its own.
 int SetHeldBufferDonation(const HeldBuffer* buffer, PyObject* carrier, PyObject* set_donation,
                           bool flag);
 

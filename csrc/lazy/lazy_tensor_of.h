@@ -8,6 +8,7 @@
 #pragma once
 
 #include <ATen/core/symbol.h>
+#include <Python.h>
 #include <torch/csrc/lazy/core/tensor.h>
 
 #include <cstdint>
@@ -20,6 +21,16 @@ namespace torch_xla_donate {
 // functional wrapper awaiting a sync).  `functional`: read through a
 // FunctionalTensorWrapper.  Independent of SetLazyReadsEnabled.
 torch::lazy::LazyTensor* XlaLazyTensorOf(uintptr_t impl, bool* functional);
+
+// Points the XLA tensor `carrier` at `buffer` (its torch LazyTensor::Data
+// handle) for one call of `set_donation(carrier, flag)` (torch_xla's
+// `_set_buffer_donation`, which reads only the handle), then gives it its
+// own handle back, also when the call raises: the donor flag of a buffer no
+// tensor holds (auto donation's dead inputs, a donor released before its
+// execution).  1 when torch_xla accepted, 0 when it refused or `carrier` is
+// no readable XLA tensor, -1 with the Python error set when the call raised.
+int SetDonationThroughCarrier(const torch::lazy::BackendDataPtr& buffer, PyObject* carrier,
+                              PyObject* set_donation, bool flag);
 
 // The `xla::device_data` op symbol (what a tensor's cached IR is when it
 // reads a buffer).
