@@ -133,8 +133,7 @@ def barrier_before(device="", devices=(), wait=True, reset_scope=True, *, commit
                 notices.add(DroppedDonationWarning, "Automatic donation skipped a step{at_step}"
                             f"{{items}}: {type(error).__name__}: {auto.braces_safe(error)}. Please "
                             "report this.", [])
-        if xla.local_device_count() == 1:
-            release_unheld(donors)
+        release_unheld(donors)
         return token
     except BaseException:
         lock.release()
@@ -230,6 +229,8 @@ def release_unheld(donors) -> None:
     The donors of earlier steps still in flight go the same way once the
     loop dropped them (``verdicts.release_unheld``): poisoned, nobody can
     read them, and their verdicts read only the buffer."""
+    if xla.local_device_count() != 1:
+        return
     if donors:
         C.release_unheld(donors)
     verdicts.release_unheld()

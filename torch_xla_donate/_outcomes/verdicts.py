@@ -227,9 +227,10 @@ def release_unheld() -> None:
     keeps only its buffer, which is all its verdict reads, and nobody is
     left to lift the poison from.  A barrier calls it before its real
     execution, so that torch_xla's walk of the live tensors does not meet
-    them again.  One device only (with several, verdicts are split by the
-    tensor's device).  Called with the lock held."""
-    if _in_flight and xla.local_device_count() == 1:
+    them again.  The caller (commit.release_unheld) makes sure there is one
+    device: with several, verdicts are split by the tensor's device.
+    Called with the lock held."""
+    if _in_flight:
         C.release_unheld(_in_flight)
 
 
