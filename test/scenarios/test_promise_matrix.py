@@ -43,7 +43,6 @@ import torch_xla.core.xla_model as xm
 from helpers import COPIES, run_python
 
 import torch_xla_donate as tdx
-from torch_xla_donate._base import compat as _compat
 
 N = 64
 SPMD = os.environ.get("TDX_MATRIX_SPMD") == "1"
@@ -339,14 +338,10 @@ HOLDERS = {
 }
 # Holders only C++ keeps: the _XLAC path's Python search cannot see them.
 CPP_ONLY = {"copy held by autograd"}
-# Both reader paths, under SPMD too: there the ``_XLAC`` path's Python
-# search first waits for the device (torch_xla crashes asking about a
-# sharded buffer still computing; sharing.py).
-# torch_xla 2.7 under SPMD: its owner query disagrees with the native read,
-# so the reads' self-test keeps the ``_XLAC`` path for the process (README,
-# Releases): the native path does not exist there.
-READS_PATHS = (["xlac"] if SPMD and _compat.release(torch_xla.__version__) < (2, 8)
-               else ["native", "xlac"])
+# Both reader paths, on every release, under SPMD too: there the ``_XLAC``
+# path's Python search first waits for the device (torch_xla crashes asking
+# about a sharded buffer still computing; sharing.py).
+READS_PATHS = ["native", "xlac"]
 
 
 @pytest.mark.parametrize(("holder", "reads_path"),

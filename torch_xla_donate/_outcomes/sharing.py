@@ -241,8 +241,7 @@ def _screen_by_search(donors, notices, every=False) -> list:
         # sharded buffer that is still being computed (an output of a step
         # run with wait=False): tools/repros/sharded_inflight_query.py.  So
         # under SPMD the search first waits until none is: this path (native
-        # reads off, or torch_xla 2.7 under SPMD, where the reads' self-test
-        # keeps it) then blocks at each barrier that donates, and a donor
+        # reads off) then blocks at each barrier that donates, and a donor
         # whose buffer a clone shares is still never donated.
         xla.wait_device_ops()
     tensors = [e[0] for e in donors]  # no unpacking: one item read per entry
