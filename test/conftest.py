@@ -108,6 +108,31 @@ def pytest_pyfunc_call(pyfuncitem):
 # -- The two reader paths (_base/reads.py) -------------------------------------
 
 
+@pytest.fixture
+def fast_path_open(dev):
+    """Marking's native fast path open, as after a process's first
+    donation: that one goes the Python way, decides the reads and gives the
+    process's one ``StaleReadWarning`` where it is owed (_base/xla_cpu.py),
+    so a test run alone sees what it sees after others."""
+    import warnings
+
+    import torch
+    import torch_xla
+
+    import torch_xla_donate as tdx
+    from torch_xla_donate._base.native import C
+
+    probe = torch.ones(2, device=dev) + 0
+    torch_xla.sync()
+    if not C.try_mark(probe, 1):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tdx.donate_buffer(probe)
+    C.unmark(probe)
+    assert C.try_mark(probe, 1), "the fast path stays closed after a first donation"
+    C.unmark(probe)
+
+
 @pytest.fixture(params=["native", "xlac"], ids=["native reads", "_XLAC reads"])
 def reads_path(request, dev, monkeypatch):
     """Runs a test once with native reads and once with the ``_XLAC`` twin

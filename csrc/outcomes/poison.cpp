@@ -16,20 +16,26 @@ namespace {
 
 // Each class and its poisoned twins (poison.py's _poison_class_for): the one
 // the user's tensor takes, and the one refusing operators, which the tensor
-// torch_xla computes with takes.
-std::unordered_map<PyTypeObject*, PyObject*> g_poison_classes[2];
+// torch_xla computes with takes.  `checked`: a swap from the class to the
+// twin went through Python's own `__class__` assignment once, which checks
+// that their layouts agree; the twin is the class's subclass with nothing
+// added, so later swaps need only what that assignment does after its check.
+struct Twin {
+  PyObject* cls;
+  bool checked;
+};
+std::unordered_map<PyTypeObject*, Twin> g_poison_classes[2];
 
 // The poisoned twin of `type` (cached).  Borrowed, or nullptr with an error.
-PyObject* PoisonClassFor(PyTypeObject* type, bool refuses_operators) {
+Twin* PoisonClassFor(PyTypeObject* type, bool refuses_operators) {
   auto& cache = g_poison_classes[refuses_operators ? 1 : 0];
   auto it = cache.find(type);
-  if (it != cache.end()) return it->second;
+  if (it != cache.end()) return &it->second;
   PyObject* hook = refuses_operators ? g_hooks.dispatch_class_for : g_hooks.poison_class_for;
   PyObject* twin = PyObject_CallOneArg(hook, reinterpret_cast<PyObject*>(type));
   if (!twin) return nullptr;
   Py_INCREF(type);  // keep the key alive: its address must not be reused
-  cache.emplace(type, twin);
-  return twin;
+  return &cache.emplace(type, Twin{twin, false}).first->second;
 }
 
 PyObject* ClassAttr() {
@@ -37,14 +43,34 @@ PyObject* ClassAttr() {
   return name;
 }
 
-// Tags `t` and gives it its poisoned twin class.  0 ok, -1 error.
-int TagAndSwapClass(PyObject* t, const RecordPtr& record, bool refuses_operators) {
-  if (TagTensor(t, record) < 0) return -1;
+// `t.__class__ = twin`.  The first time per class: generic, past a
+// __setattr__ of the tensor's own class (poison.py's _set_class does the
+// same), with all of Python's checks.  Then what object_set_class does once
+// they passed: the audit event, the instance's attributes moved into a dict
+// of their own (a managed dict's keys belong to the class:
+// _PyObject_GetDictPtr does it, as object_set_class does), the type
+// swapped, heap types' references moved.
+int SwapClass(PyObject* t, Twin* twin) {
+  PyTypeObject* from = Py_TYPE(t);
+  auto* to = reinterpret_cast<PyTypeObject*>(twin->cls);
+  const bool managed = (from->tp_flags | to->tp_flags) & Py_TPFLAGS_MANAGED_DICT;
+  if (!twin->checked || (managed && _PyObject_GetDictPtr(t) == nullptr)) {
+    if (PyObject_GenericSetAttr(t, ClassAttr(), twin->cls) < 0) return -1;
+    twin->checked = true;
+    return 0;
+  }
+  if (PySys_Audit("object.__setattr__", "OsO", t, "__class__", twin->cls) < 0) return -1;
+  if (to->tp_flags & Py_TPFLAGS_HEAPTYPE) Py_INCREF(to);
+  Py_SET_TYPE(t, to);
+  if (from->tp_flags & Py_TPFLAGS_HEAPTYPE) Py_DECREF(from);
+  return 0;
+}
+
+// Gives `t` its poisoned twin class (none if it has one).  0 ok, -1 error.
+int TakeTwinClass(PyObject* t, bool refuses_operators) {
   if (IsDonatedType(t)) return 0;
-  PyObject* twin = PoisonClassFor(Py_TYPE(t), refuses_operators);
-  // Generic: past a __setattr__ of the tensor's own class (poison.py's
-  // _set_class does the same).
-  return twin ? PyObject_GenericSetAttr(t, ClassAttr(), twin) : -1;
+  Twin* twin = PoisonClassFor(Py_TYPE(t), refuses_operators);
+  return twin ? SwapClass(t, twin) : -1;
 }
 
 }  // namespace
@@ -52,7 +78,7 @@ int TagAndSwapClass(PyObject* t, const RecordPtr& record, bool refuses_operators
 void ForgetPoisonClasses() {
   for (auto& cache : g_poison_classes) {
     for (auto& kv : cache) {
-      Py_DECREF(kv.second);
+      Py_DECREF(kv.second.cls);
       Py_DECREF(reinterpret_cast<PyObject*>(kv.first));
     }
     cache.clear();
@@ -95,14 +121,17 @@ int Poison(PyObject* t, PyObject* record) {
   } else {
     Py_INCREF(inner);
   }
-  int rc = TagAndSwapClass(inner, r, /*refuses_operators=*/true);
+  int rc = TagTensor(inner, r);
+  if (rc == 0) rc = TakeTwinClass(inner, /*refuses_operators=*/true);
   const uintptr_t impl = rc == 0 ? ImplAddress(inner) : 0;
   if (rc == 0 && impl == 0) rc = -1;
   if (rc == 0 && !SetPythonDispatch(impl, true)) {
     PyErr_SetString(PyExc_RuntimeError, "cannot set the Python dispatch key of a donated tensor");
     rc = -1;
   }
-  if (rc == 0 && inner != t) rc = TagAndSwapClass(t, r, /*refuses_operators=*/false);
+  // The wrapper takes its twin class only: the record rides on the tensor
+  // torch_xla computes with, where poison.py's donation_record reads it.
+  if (rc == 0 && inner != t) rc = TakeTwinClass(t, /*refuses_operators=*/false);
   Py_DECREF(inner);
   return rc;
 }

@@ -21,7 +21,7 @@ int TagTensor(PyObject* t, const RecordPtr& record, const std::string& note = st
 // Makes `t` refuse every use (poison.py): the tensor torch_xla computes
 // with (the one a functional tensor wraps) is tagged with the record, takes
 // the twin of its class that refuses operators and the Python dispatch key;
-// then `t` is tagged and takes the twin of its own class.  0 ok, -1 error.
+// then `t` takes the twin of its own class.  0 ok, -1 error.
 int Poison(PyObject* t, PyObject* record);
 // Drops the cache of poisoned twin classes (poison.py re-bound its hooks).
 void ForgetPoisonClasses();

@@ -8,7 +8,9 @@ the dispatch key of the tensor torch_xla computes with, what a use raises,
 and what ``unpoison`` gives back.  The ledger's ``Record.shape_string`` (C++)
 is compared with ``dtypes.shape_string`` the same way.
 """
+import gc
 import re
+import sys
 
 import pytest
 import torch
@@ -48,7 +50,7 @@ def _state(t):
         "class": type(t).__name__,
         "bases": [c.__name__ for c in type(t).__mro__[:3]],
         "core class": type(core).__name__,
-        "tagged": C.tagged_record(t) is not None and C.tagged_record(core) is not None,
+        "tagged": (C.tagged_record(t) is not None, C.tagged_record(core) is not None),
         "python key": torch._C._dispatch_keys(core).has(torch._C.DispatchKey.Python),
         "poisoned": poison.is_poisoned(t),
         "record": poison.donation_record(t) is not None,
@@ -87,11 +89,48 @@ def test_native_and_python_poisoning_leave_the_same_tensor(dev, kind):
         assert native_t.tag() == python_t.tag() == "tagged"
 
 
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_whole_step_of_donors_is_poisoned_alike_and_keeps_class_counts(dev, kind):
+    # After the first tensor of a class, native poisoning swaps classes
+    # without Python's generic assignment (csrc/outcomes/poison.cpp
+    # SwapClass): each donor must end up as the first one did, each holding
+    # its twin class, and the twins as many references afterwards as before.
+    ts = [KINDS[kind](materialize(torch.ones(4, device=dev))) for _ in range(4)]
+    for i, t in enumerate(ts[1:]):  # attributes of its own (a managed dict's)
+        t.note = i
+    donors, records = [], []
+    for t in ts:
+        entries, record = _committed(t)
+        donors += entries
+        records.append(record)
+    original = type(ts[0])
+    twin = poison._poison_class_for(original)
+    core_twin = poison._poison_class_for(type(poison.inner(ts[0])), True)
+
+    def twin_counts():
+        gc.collect()
+        return sys.getrefcount(twin), sys.getrefcount(core_twin)
+
+    counts = twin_counts()
+    assert C.disarm_and_poison(donors) == []
+    states = [_state(t) for t in ts]
+    assert all(state == states[0] for state in states) and states[0]["poisoned"]
+    assert all(type(t) is twin for t in ts)
+    assert twin_counts() == (counts[0] + 4, counts[1] + 4)
+    for t, record in zip(ts, records):
+        C.settle(record, Verdict.REUSED)
+        assert _use(t) != "no error"
+        poison.unpoison(t)
+    assert all(type(t) is original for t in ts)
+    assert twin_counts() == counts
+    assert [t.note for t in ts[1:]] == [0, 1, 2] and not hasattr(ts[0], "note")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64,
                                    torch.int8, torch.int16, torch.int32, torch.int64,
                                    torch.uint8, torch.bool, torch.complex64])
 @pytest.mark.parametrize("shape", [(4,), (2, 3), (0,), (1, 1, 5)])
-def test_the_ledgers_shape_string_is_the_pythons(dev, dtype, shape):
+def test_the_ledgers_shape_string_is_the_pythons(dev, dtype, shape, fast_path_open):
     t = materialize(torch.zeros(shape, dtype=dtype, device=dev))
     assert C.try_mark(t, 1), "the native path reads dtype and shape itself"
     record = C.unmark(t)

@@ -158,11 +158,13 @@ def poison(t: torch.Tensor, record, note: str = "") -> None:
     consumed), ``note`` says how ``t`` lost its buffer when it was not the
     donated tensor itself (ownership.py's companions).
 
-    The record rides on the TensorImpls (csrc/record_tag.h), not in
-    ``t.__dict__``: a dict per donated tensor and step would double the
-    garbage collector's work in a training loop.  The step hook poisons a
-    whole step's donors in one native call (``C.disarm_and_poison``), which does
-    the same as this, tensor by tensor.
+    The record rides on the TensorImpl of the tensor torch_xla computes with
+    (csrc/record_tag.h), not in ``t.__dict__``: a dict per donated tensor and
+    step would double the garbage collector's work in a training loop.  A
+    functional wrapper takes its twin class only: ``donation_record`` reads
+    the tensor it wraps.  The step hook poisons a whole step's donors in one
+    native call (``C.disarm_and_poison``), which does the same as this,
+    tensor by tensor.
     """
     if torch._is_functional_tensor(t) and not is_poisoned(t):
         # An alias (``nn.Parameter(t)``, ``t.detach()``) may hold a stale
@@ -173,7 +175,8 @@ def poison(t: torch.Tensor, record, note: str = "") -> None:
     # The tensor torch_xla computes with first: once it refuses operators,
     # the value is safe whatever happens to the wrapper.
     for x in reversed(_both(t, core)):
-        C.tag_record(x, record, note)
+        if x is core:
+            C.tag_record(x, record, note)
         if not isinstance(x, _DonatedTensor):
             _set_class(x, _poison_class_for(type(x), refuses_operators=x is core))
         if x is core:
@@ -244,11 +247,7 @@ def donation_record(t):
     """
     if not isinstance(t, torch.Tensor):
         return None
-    core = inner(t)
-    record = C.tagged_record(core)
-    if record is None and core is not t and C.tagged_record(t) is not None:
-        return None  # a new value: the wrapper's tag is stale
-    return record
+    return C.tagged_record(inner(t))
 
 
 def consumed(t) -> bool:
