@@ -187,10 +187,10 @@ def unpoison(t: torch.Tensor) -> None:
     """Gives ``t`` back its class and dispatch key: its donation went unused."""
     core = inner(t)
     C.set_python_dispatch(core, False)
+    C.untag_record(core)  # the one tag poisoning gave (``poison``)
     for x in _both(t, core):
         if isinstance(x, _DonatedTensor):
             _set_class(x, type(x)._original_class)
-        C.untag_record(x)
 
 
 def _set_class(t, cls) -> None:
