@@ -78,6 +78,26 @@ def _consumed(dev):
     return t, new
 
 
+def _reshaped(change):
+    """A plain tensor whose shape ``change(t, dev)`` changed in place, then a
+    barrier: the record's shape is read natively from the copies of the
+    sizes torch keeps (csrc/base/tensor_facts.cpp), and must be the one
+    Python sees."""
+    def make(dev):
+        t = _plain(dev)
+        change(t, dev)
+        return materialize(t), None
+    return make
+
+
+def _set_data(t, dev):
+    t.data = torch.ones(2, 8, device=dev)
+
+
+def _swap(t, dev):
+    torch.utils.swap_tensors(t, torch.ones(2, 8, device=dev))
+
+
 # name -> (make(dev) -> (tensor, keep-alive), the fast path must accept it)
 KINDS = {
     "f32": (lambda dev: (_plain(dev), None), True),
@@ -110,6 +130,18 @@ KINDS = {
     "live view": (lambda dev: _with_view(dev), False),
     "saved for backward": (lambda dev: _saved_for_backward(dev), False),
     "consumed": (lambda dev: _consumed(dev), False),
+    "resized in place, as many elements": (_reshaped(lambda t, dev: t.resize_(2, 8)), True),
+    "resized in place, more elements": (_reshaped(lambda t, dev: t.resize_(8, 4)), True),
+    "transposed in place": (_reshaped(lambda t, dev: t.resize_(2, 8).t_()), True),
+    "unsqueezed in place": (_reshaped(lambda t, dev: t.unsqueeze_(0)), True),
+    "another shape through .data": (_reshaped(_set_data), True),
+    "another shape through set_": (_reshaped(lambda t, dev: t.set_(torch.ones(2, 8, device=dev))),
+                                   True),
+    "another shape through swap_tensors": (_reshaped(_swap), True),
+    "resized by an out= op": (_reshaped(lambda t, dev: torch.add(torch.ones(2, 8, device=dev), 1,
+                                                                  out=t)), True),
+    "another shape through _replace_xla_tensor": (_reshaped(
+        lambda t, dev: torch_xla._XLAC._replace_xla_tensor(t, torch.ones(2, 8, device=dev))), True),
 }
 
 
