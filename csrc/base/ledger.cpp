@@ -188,9 +188,11 @@ StepStats* Ledger::FindStatsLocked(int64_t step) {
 }
 
 void Ledger::Settle(const RecordPtr& record, Verdict verdict) {
+  std::shared_ptr<void> held;  // let go after the lock
   std::lock_guard<std::mutex> lock(mu_);
   if (record->verdict != Verdict::kInFlight) return;  // settled once only
   record->verdict = verdict;
+  held = std::move(record->held);
   ++generation_;
   StepStats* stats = FindStatsLocked(record->step);
   for (StepStats* s : {stats, &totals_}) {

@@ -120,17 +120,32 @@ PyType_Spec kRecordSpec = {
 // XLATensor die at the commit, as raw donation's die while tracing, instead
 // of at the next barrier (where torch_xla's walk over the live tensors
 // would meet them first).
+//
+// Weakened at the commit: a poisoned donor the user still holds is kept
+// through a weak reference and its buffer.  It dies when the loop drops it,
+// as raw donation's do, and a verdict that leaves it its value (UNUSED,
+// STEP_FAILED) still finds it to lift the poison while it lives: indexing
+// or unpacking the entry gives the tensor, or None once it died.  Native
+// code reading an entry in place (EntryParts) sees None: it reads the
+// buffer.
 
 struct PyEntry {
-  PyObject_HEAD PyObject* tensor;
+  PyObject_HEAD PyObject* tensor;  // None once released or weakened
   PyObject* record;
   HeldBuffer* buffer;  // set once the tensor was released
+  // Once weakened: a weak reference to the tensor; its buffer then rides on
+  // the record (Record::held), which lets it go when the verdict is in.
+  PyObject* weak;
 };
 
 PyTypeObject* g_entry_type = nullptr;
 
 void EntryDealloc(PyObject* self) {
   auto* e = reinterpret_cast<PyEntry*>(self);
+  if (e->weak) {
+    Unwrap(e->record)->held.reset();  // an open verdict reads its tensor's buffer
+    Py_CLEAR(e->weak);
+  }
   Py_CLEAR(e->tensor);
   Py_CLEAR(e->record);
   if (e->buffer) {
@@ -144,15 +159,22 @@ void EntryDealloc(PyObject* self) {
 
 Py_ssize_t EntryLength(PyObject*) { return 2; }
 
+// The entry's tensor (a new reference): the weakened one while it lives.
+PyObject* EntryTensorRef(PyEntry* e) {
+  PyObject* t = e->weak ? PyWeakref_GetObject(e->weak) : e->tensor;  // borrowed
+  Py_INCREF(t);
+  return t;
+}
+
 PyObject* EntryItem(PyObject* self, Py_ssize_t i) {
   auto* e = reinterpret_cast<PyEntry*>(self);
   if (i < 0 || i > 1) {
     PyErr_SetString(PyExc_IndexError, "an entry is (tensor, record)");
     return nullptr;
   }
-  PyObject* item = i == 0 ? e->tensor : e->record;
-  Py_INCREF(item);
-  return item;
+  if (i == 0) return EntryTensorRef(e);
+  Py_INCREF(e->record);
+  return e->record;
 }
 
 // `t, record = entry` in Python: with only the sequence protocol, unpacking
@@ -161,7 +183,9 @@ PyObject* EntryItem(PyObject* self, Py_ssize_t i) {
 // without one.
 PyObject* EntryIter(PyObject* self) {
   auto* e = reinterpret_cast<PyEntry*>(self);
-  PyObject* pair = PyTuple_Pack(2, e->tensor, e->record);
+  PyObject* t = EntryTensorRef(e);
+  PyObject* pair = PyTuple_Pack(2, t, e->record);
+  Py_DECREF(t);
   if (!pair) return nullptr;
   PyObject* it = PyObject_GetIter(pair);
   Py_DECREF(pair);
@@ -229,6 +253,7 @@ PyObject* NewEntry(PyObject* tensor, PyObject* record) {
   e->tensor = tensor;
   e->record = record;
   e->buffer = nullptr;
+  e->weak = nullptr;
   return o;
 }
 
@@ -242,8 +267,28 @@ bool ReleaseEntryTensor(PyObject* entry, HeldBuffer* buffer) {
   return true;
 }
 
+bool WeakenEntryTensor(PyObject* entry, HeldBuffer* buffer) {
+  if (Py_TYPE(entry) != g_entry_type) return false;
+  auto* e = reinterpret_cast<PyEntry*>(entry);
+  if (e->buffer || e->weak || e->tensor == Py_None) return false;
+  PyObject* weak = PyWeakref_NewRef(e->tensor, nullptr);
+  if (!weak) {
+    PyErr_Clear();  // a tensor class without weak references: kept
+    return false;
+  }
+  Unwrap(e->record)->held =
+      std::shared_ptr<void>(buffer, [](void* b) { DropBuffer(static_cast<HeldBuffer*>(b)); });
+  e->weak = weak;
+  Py_INCREF(Py_None);
+  Py_SETREF(e->tensor, Py_None);  // the user holds it: nothing is freed here
+  return true;
+}
+
 const HeldBuffer* EntryBuffer(PyObject* entry) {
-  return Py_TYPE(entry) == g_entry_type ? reinterpret_cast<PyEntry*>(entry)->buffer : nullptr;
+  if (Py_TYPE(entry) != g_entry_type) return nullptr;
+  auto* e = reinterpret_cast<PyEntry*>(entry);
+  if (e->buffer || !e->weak) return e->buffer;
+  return static_cast<const HeldBuffer*>(Unwrap(e->record)->held.get());  // null once settled
 }
 
 bool EntryParts(PyObject* o, PyObject** tensor, PyObject** record) {

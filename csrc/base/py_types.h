@@ -37,8 +37,16 @@ bool EntryParts(PyObject* o, PyObject** tensor, PyObject** record);
 // tensor may free it, and run its weak references' callbacks.  False (the
 // buffer not taken) if `entry` is no Entry or was released already.
 bool ReleaseEntryTensor(PyObject* entry, HeldBuffer* buffer);
-// The buffer a released Entry keeps, or nullptr (a tuple, an entry holding
-// its tensor).
+// Keeps an Entry's tensor, which someone else holds, only through a weak
+// reference, and `buffer` (which it takes) for the verdict, on the record
+// until the verdict is in or the entry goes (Record::held): indexing or
+// unpacking the entry gives the tensor while it lives, then None; native
+// code reading the entry in place (EntryParts) sees None.  False (the
+// buffer not taken) if `entry` is no Entry, was released or weakened
+// already, or its tensor takes no weak reference.
+bool WeakenEntryTensor(PyObject* entry, HeldBuffer* buffer);
+// The buffer a released or weakened Entry keeps, or nullptr (a tuple, an
+// entry holding its tensor, a weakened entry whose verdict is in).
 const HeldBuffer* EntryBuffer(PyObject* entry);
 
 // A new reference to the `_C.Verdict` member for `v`.

@@ -149,6 +149,18 @@ bool ReleaseIfUnheld(PyObject* entry, PyObject* t) {
   return true;
 }
 
+// Keeps a poisoned donor the user still holds only weakly (py_types.h
+// WeakenEntryTensor): its verdict reads the buffer, which the entry takes,
+// so the tensor dies when the loop drops it, as raw donation's do, rather
+// than with the entry at the next barrier, whose release would free it
+// just before the execution is dispatched.  Kept when its buffer cannot be
+// read natively.
+void WeakenHeld(PyObject* entry, PyObject* t) {
+  if (!LazyReadsEnabled()) return;
+  HeldBuffer* buffer = TakeBuffer(ImplAddress(t));
+  if (buffer && !WeakenEntryTensor(entry, buffer)) DropBuffer(buffer);
+}
+
 // Before the real execution, with the flags armed: lets go of every donor
 // nothing but its entry refers to (the loop rebound its name), so that
 // torch_xla's barrier does not walk, and its graph does not keep, tensors
@@ -182,7 +194,8 @@ size_t ReleaseUnheld(py::list donors) {
 // Without `release`, or when its buffer cannot be read natively, the entry
 // keeps it (its flag, on a buffer that is deleted or freed with the entry,
 // can arm nothing).  The typical loop rebinds its names, and then this
-// costs no torch_xla call at all.
+// costs no torch_xla call at all.  A donor the user still holds is
+// poisoned and, with `release`, kept only weakly from then on (WeakenHeld).
 //
 // Never stops half-way: a donor whose poisoning fails (a tensor subclass
 // that changed its class since marking, say) is returned with the error's
@@ -204,6 +217,8 @@ py::list DisarmAndPoison(py::list donors, bool release) {
     if (Poison(t, rec) != 0) {
       py::error_already_set error;  // takes the Python error
       failed.append(py::make_tuple(py::handle(entry), py::str(error.what())));
+    } else if (release) {
+      WeakenHeld(entry, t);
     }
   }
   return failed;

@@ -3,7 +3,8 @@
 donation's old tensors die while tracing, not at the next barrier.  Its
 verdict reads the buffer its entry kept, so it still comes out right:
 REUSED when an output took the buffer, UNUSED (and warned) when none
-could.  A donor the user still holds is kept and poisoned as before."""
+could.  A donor the user still holds is poisoned and kept only weakly: it
+dies when the loop drops it."""
 import warnings
 import weakref
 
@@ -82,35 +83,25 @@ class _nothing:
 
 
 @pytest.mark.parametrize("fate", sorted(STEPS))
-def test_a_poisoned_donor_dropped_after_its_step_goes_before_the_next_barrier(
-        dev, fate, monkeypatch):
+def test_a_poisoned_donor_dies_when_the_loop_drops_it(dev, fate):
     """The loop held the old state through its barrier, then dropped it: the
-    poisoned donor, in flight, is let go before the next real barrier (so
-    torch_xla's walk does not meet it), and its verdict, read from the
-    buffer, still comes out right."""
-    from torch_xla_donate._outcomes import verdicts
-
+    poisoned donor, in flight, dies right there, as raw donation's old
+    tensors do (its entry keeps it only weakly, and its buffer), not at the
+    next barrier just before its execution is dispatched.  Its verdict, read
+    from the buffer, still comes out right."""
     x = materialize(torch.arange(16.0, device=dev))
     tdx.donate_buffer(x)
     old = x
     x = STEPS[fate](x)
     torch_xla.sync(wait=False)
+    assert type(old) is not torch.Tensor, "held through the barrier: poisoned"
     gone = weakref.ref(old)
     del old
-    assert gone() is not None, "kept in flight until the next barrier"
-    seen = []
-    release = verdicts.release_unheld
-
-    def spy():
-        release()
-        seen.append(gone() is None)
-
-    monkeypatch.setattr(verdicts, "release_unheld", spy)
+    assert gone() is None, "the entry must not keep a donor the loop dropped"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         y = x + 1
         torch_xla.sync()
-    assert seen == [True], "the dropped donor must go before the real barrier"
     stats = _C.step_stats(_C.current_step() - 1)
     unused_warned = [w for w in caught if issubclass(w.category, tdx.UnusedDonationWarning)]
     assert (stats["reused"], stats["unused"], stats["in_flight"]) == (
@@ -131,3 +122,33 @@ def test_an_entry_unpacks_as_a_pair(dev):
     t, record = entry
     assert t is old and record is entry[1] and list(entry) == [old, record]
     tdx.settle()
+
+
+@pytest.mark.parametrize("settled_by", ["settle()", "a use", "the next barrier"])
+def test_a_held_unused_donor_gets_its_value_back_and_can_be_donated_again(dev, settled_by):
+    """A weakened entry (the user holds the donor) still finds its tensor to
+    lift the poison when the donation turns out unused, and lets go of the
+    buffer it kept as soon as the verdict is in: donating the tensor again
+    must not meet that buffer as another holder."""
+    x = materialize(torch.arange(16.0, device=dev))
+    tdx.donate_buffer(x)
+    total = x.sum()  # no output of x's size: the donation goes unused
+    torch_xla.sync(wait=False)
+    assert type(x) is not torch.Tensor, "in flight: poisoned"
+    with pytest.warns(tdx.UnusedDonationWarning):
+        if settled_by == "settle()":
+            tdx.settle()
+        elif settled_by == "a use":
+            assert (x * 1).cpu().tolist() == list(range(16))
+        else:
+            torch_xla.sync()
+    assert type(x) is torch.Tensor and x.cpu().tolist() == list(range(16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a DroppedDonationWarning fails the test
+        tdx.donate_buffer(x)
+        new = x * 2 + 1
+        torch_xla.sync(wait=True)
+    stats = tdx.last_step_report()
+    assert (stats.reused, stats.dropped) == (1, 0), stats
+    assert tdx.is_deleted(x) and new.cpu().tolist() == [2.0 * i + 1 for i in range(16)]
+    assert total.item() == 120.0

@@ -226,9 +226,11 @@ def release_unheld(donors) -> None:
     verdicts are split by the tensor's device.  After ``auto.at_commit``,
     whose search must see the donors as held.
 
-    The donors of earlier steps still in flight go the same way once the
-    loop dropped them (``verdicts.release_unheld``): poisoned, nobody can
-    read them, and their verdicts read only the buffer."""
+    The donors of earlier steps still in flight that their entries hold
+    (``finish`` keeps held donors only weakly where native reads are on)
+    go the same way once the loop dropped them
+    (``verdicts.release_unheld``): poisoned, nobody can read them, and
+    their verdicts read only the buffer."""
     if xla.local_device_count() != 1:
         return
     if donors:
@@ -246,8 +248,12 @@ def finish(device, donors, notices, certain: bool) -> None:
     it into another graph.  With one device (and native reads on) it is let
     go here, its entry keeping only its buffer for the verdict (the tensor
     reads None from then on), so that it dies at the commit as raw
-    donation's die while tracing (csrc/hooks/commit.cpp).  With several
-    devices the entry keeps it: verdicts are split by the tensor's device.  A donor
+    donation's die while tracing (csrc/hooks/commit.cpp).  A donor the user
+    still holds is poisoned, and its entry keeps the buffer and only a weak
+    reference to it: it dies when the loop drops it, as raw donation's do,
+    and a verdict that gives its value back still finds it while it lives.
+    With several devices the entry keeps it: verdicts are split by the
+    tensor's device.  A donor
     that cannot be poisoned does not stop the others: a ``TypeError`` naming
     its class is held in ``notices`` and raised once the commit is whole
     (the step's results are intact; operators on the tensor still raise

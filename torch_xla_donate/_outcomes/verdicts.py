@@ -223,7 +223,8 @@ def settle() -> None:
 
 def release_unheld() -> None:
     """Lets go of the in-flight donors nothing but their entry refers to
-    any more (the loop dropped a poisoned tensor after its step): each entry
+    any more (the loop dropped a poisoned tensor after its step; entries
+    the commit weakened hold none): each entry
     keeps only its buffer, which is all its verdict reads, and nobody is
     left to lift the poison from.  A barrier calls it before its real
     execution, so that torch_xla's walk of the live tensors does not meet
@@ -241,7 +242,8 @@ def in_flight_count() -> int:
 def _keep(t, record, verdict) -> None:
     """Settles ``record`` with a verdict that leaves ``t`` its value
     (UNUSED, STEP_FAILED, DISABLED) and lifts its poison.  ``t`` is None for
-    an entry the commit released: nobody held it, nothing was poisoned.
+    an entry the commit released (nobody held it, nothing was poisoned), or
+    weakened whose tensor died since (nobody is left to give it back to).
 
     An unused donation's caller warns (unused.py); a failed step's and a
     switched-off one's stay quiet (the failure, the switch are the news).
