@@ -188,7 +188,7 @@ StepStats* Ledger::FindStatsLocked(int64_t step) {
 }
 
 void Ledger::Settle(const RecordPtr& record, Verdict verdict) {
-  std::shared_ptr<void> held;  // let go after the lock
+  std::unique_ptr<void, void (*)(void*)> held{nullptr, nullptr};  // let go after the lock
   std::lock_guard<std::mutex> lock(mu_);
   if (record->verdict != Verdict::kInFlight) return;  // settled once only
   record->verdict = verdict;

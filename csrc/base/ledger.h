@@ -74,7 +74,7 @@ struct Record {
   // The buffer a weakened entry keeps for this verdict (py_types.h
   // WeakenEntryTensor), type-erased: let go once the verdict is in, so that
   // the tensor, donated again, does not count it as another holder.
-  std::shared_ptr<void> held;
+  std::unique_ptr<void, void (*)(void*)> held{nullptr, nullptr};
 
   // "f32[4,4]", the spelling XLA and JAX use in their messages.
   std::string ShapeString() const;

@@ -276,8 +276,7 @@ bool WeakenEntryTensor(PyObject* entry, HeldBuffer* buffer) {
     PyErr_Clear();  // a tensor class without weak references: kept
     return false;
   }
-  Unwrap(e->record)->held =
-      std::shared_ptr<void>(buffer, [](void* b) { DropBuffer(static_cast<HeldBuffer*>(b)); });
+  Unwrap(e->record)->held = {buffer, [](void* b) { DropBuffer(static_cast<HeldBuffer*>(b)); }};
   e->weak = weak;
   Py_INCREF(Py_None);
   Py_SETREF(e->tensor, Py_None);  // the user holds it: nothing is freed here
