@@ -71,9 +71,9 @@ struct Record {
   // The tensor's version counter when marked (-1: unknown): an in-place
   // update after marking makes it an output of the step, not a donor.
   int64_t version = -1;
-  // The buffer a weakened entry keeps for this verdict (py_types.h
-  // WeakenEntryTensor), type-erased: let go once the verdict is in, so that
-  // the tensor, donated again, does not count it as another holder.
+  // The buffer a released or weakened entry keeps for this verdict
+  // (py_types.h), type-erased: let go once the verdict is in, so that the
+  // tensor, donated again, does not count it as another holder.
   std::unique_ptr<void, void (*)(void*)> held{nullptr, nullptr};
 
   // "f32[4,4]", the spelling XLA and JAX use in their messages.

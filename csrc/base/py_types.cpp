@@ -128,30 +128,42 @@ PyType_Spec kRecordSpec = {
 // or unpacking the entry gives the tensor, or None once it died.  Native
 // code reading an entry in place (EntryParts) sees None: it reads the
 // buffer.
+//
+// Either way the buffer rides on the record (Record::held), which lets it
+// go when the verdict is in, or with the entry.
+
+PyTypeObject* g_entry_type = nullptr;
 
 struct PyEntry {
   PyObject_HEAD PyObject* tensor;  // None once released or weakened
   PyObject* record;
-  HeldBuffer* buffer;  // set once the tensor was released
-  // Once weakened: a weak reference to the tensor; its buffer then rides on
-  // the record (Record::held), which lets it go when the verdict is in.
-  PyObject* weak;
+  PyObject* weak;         // a weak reference to the tensor once weakened
+  bool buffer_on_record;  // released or weakened: Record::held is this entry's
 };
 
-PyTypeObject* g_entry_type = nullptr;
+Record& RecordOf(PyEntry* e) { return *Unwrap(e->record); }
+
+// Hands `buffer` to the entry's record and lets go of the tensor, keeping
+// it weakly if `weak`.  False (nothing changed) for no Entry, or one whose
+// tensor is gone already.
+bool KeepBufferOnRecord(PyObject* entry, HeldBuffer* buffer, PyObject* weak) {
+  if (Py_TYPE(entry) != g_entry_type) return false;
+  auto* e = reinterpret_cast<PyEntry*>(entry);
+  if (e->buffer_on_record) return false;
+  RecordOf(e).held = {buffer, [](void* b) { DropBuffer(static_cast<HeldBuffer*>(b)); }};
+  e->buffer_on_record = true;
+  e->weak = weak;
+  Py_INCREF(Py_None);
+  Py_SETREF(e->tensor, Py_None);  // frees a released donor; a weakened one lives on
+  return true;
+}
 
 void EntryDealloc(PyObject* self) {
   auto* e = reinterpret_cast<PyEntry*>(self);
-  if (e->weak) {
-    Unwrap(e->record)->held.reset();  // an open verdict reads its tensor's buffer
-    Py_CLEAR(e->weak);
-  }
+  if (e->buffer_on_record) RecordOf(e).held.reset();  // an open verdict reads the tensor's own
+  Py_CLEAR(e->weak);
   Py_CLEAR(e->tensor);
   Py_CLEAR(e->record);
-  if (e->buffer) {
-    DropBuffer(e->buffer);
-    e->buffer = nullptr;
-  }
   PyTypeObject* type = Py_TYPE(self);
   type->tp_free(self);
   Py_DECREF(type);
@@ -252,42 +264,34 @@ PyObject* NewEntry(PyObject* tensor, PyObject* record) {
   Py_INCREF(record);
   e->tensor = tensor;
   e->record = record;
-  e->buffer = nullptr;
   e->weak = nullptr;
+  e->buffer_on_record = false;
   return o;
 }
 
 bool ReleaseEntryTensor(PyObject* entry, HeldBuffer* buffer) {
-  if (Py_TYPE(entry) != g_entry_type) return false;
-  auto* e = reinterpret_cast<PyEntry*>(entry);
-  if (e->buffer) return false;
-  e->buffer = buffer;
-  Py_INCREF(Py_None);
-  Py_SETREF(e->tensor, Py_None);  // the last reference: frees the donor
-  return true;
+  return KeepBufferOnRecord(entry, buffer, /*weak=*/nullptr);
 }
 
 bool WeakenEntryTensor(PyObject* entry, HeldBuffer* buffer) {
   if (Py_TYPE(entry) != g_entry_type) return false;
-  auto* e = reinterpret_cast<PyEntry*>(entry);
-  if (e->buffer || e->weak || e->tensor == Py_None) return false;
-  PyObject* weak = PyWeakref_NewRef(e->tensor, nullptr);
+  PyObject* t = reinterpret_cast<PyEntry*>(entry)->tensor;
+  if (t == Py_None) return false;
+  PyObject* weak = PyWeakref_NewRef(t, nullptr);
   if (!weak) {
     PyErr_Clear();  // a tensor class without weak references: kept
     return false;
   }
-  Unwrap(e->record)->held = {buffer, [](void* b) { DropBuffer(static_cast<HeldBuffer*>(b)); }};
-  e->weak = weak;
-  Py_INCREF(Py_None);
-  Py_SETREF(e->tensor, Py_None);  // the user holds it: nothing is freed here
-  return true;
+  if (KeepBufferOnRecord(entry, buffer, weak)) return true;
+  Py_DECREF(weak);
+  return false;
 }
 
 const HeldBuffer* EntryBuffer(PyObject* entry) {
   if (Py_TYPE(entry) != g_entry_type) return nullptr;
   auto* e = reinterpret_cast<PyEntry*>(entry);
-  if (e->buffer || !e->weak) return e->buffer;
-  return static_cast<const HeldBuffer*>(Unwrap(e->record)->held.get());  // null once settled
+  // Null once the verdict is in: nothing reads a settled entry's buffer.
+  return e->buffer_on_record ? static_cast<const HeldBuffer*>(RecordOf(e).held.get()) : nullptr;
 }
 
 bool EntryParts(PyObject* o, PyObject** tensor, PyObject** record) {

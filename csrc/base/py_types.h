@@ -33,20 +33,19 @@ PyObject* NewEntry(PyObject* tensor, PyObject* record);
 bool EntryParts(PyObject* o, PyObject** tensor, PyObject** record);
 
 // Lets an Entry's tensor go, keeping only `buffer` (which it takes) for the
-// verdict: the entry's tensor reads as None from then on.  Dropping the
-// tensor may free it, and run its weak references' callbacks.  False (the
-// buffer not taken) if `entry` is no Entry or was released already.
+// verdict, on the record until the verdict is in or the entry goes
+// (Record::held): the entry's tensor reads as None from then on.  Dropping
+// the tensor may free it, and run its weak references' callbacks.  False
+// (the buffer not taken) if `entry` is no Entry or was released or
+// weakened already.
 bool ReleaseEntryTensor(PyObject* entry, HeldBuffer* buffer);
-// Keeps an Entry's tensor, which someone else holds, only through a weak
-// reference, and `buffer` (which it takes) for the verdict, on the record
-// until the verdict is in or the entry goes (Record::held): indexing or
-// unpacking the entry gives the tensor while it lives, then None; native
-// code reading the entry in place (EntryParts) sees None.  False (the
-// buffer not taken) if `entry` is no Entry, was released or weakened
-// already, or its tensor takes no weak reference.
+// The same for a tensor someone else holds, kept through a weak reference:
+// indexing or unpacking the entry gives the tensor while it lives, then
+// None; native code reading the entry in place (EntryParts) sees None.
+// Also false if its tensor takes no weak reference.
 bool WeakenEntryTensor(PyObject* entry, HeldBuffer* buffer);
 // The buffer a released or weakened Entry keeps, or nullptr (a tuple, an
-// entry holding its tensor, a weakened entry whose verdict is in).
+// entry holding its tensor, one whose verdict is in).
 const HeldBuffer* EntryBuffer(PyObject* entry);
 
 // A new reference to the `_C.Verdict` member for `v`.

@@ -130,6 +130,17 @@ void Disarm(py::list entries, py::object carrier, py::object set_donation) {
   }
 }
 
+// Hands `t`'s buffer to `entry` through `keep` (ReleaseEntryTensor or
+// WeakenEntryTensor).  False, nothing changed, if the buffer cannot be read
+// or the entry cannot take it (a tuple).
+bool KeepBuffer(PyObject* entry, PyObject* t, bool (*keep)(PyObject*, HeldBuffer*)) {
+  HeldBuffer* buffer = TakeBuffer(ImplAddress(t));
+  if (!buffer) return false;
+  if (keep(entry, buffer)) return true;
+  DropBuffer(buffer);
+  return false;
+}
+
 // Lets `entry`'s donor go if nothing but the entry refers to it (no other
 // Python reference, no C++ owner of its TensorImpl) and its buffer can be
 // read natively: the entry keeps only its buffer (lazy_reads.h HeldBuffer).
@@ -139,14 +150,7 @@ bool ReleaseIfUnheld(PyObject* entry, PyObject* t) {
   TensorFacts facts;
   const int read = Facts(t, &facts, /*with_sizes=*/false);
   Check(read >= 0);
-  HeldBuffer* buffer =
-      read == 1 && facts.impl_use_count == 1 ? TakeBuffer(ImplAddress(t)) : nullptr;
-  if (!buffer) return false;
-  if (!ReleaseEntryTensor(entry, buffer)) {
-    DropBuffer(buffer);  // a tuple: kept
-    return false;
-  }
-  return true;
+  return read == 1 && facts.impl_use_count == 1 && KeepBuffer(entry, t, ReleaseEntryTensor);
 }
 
 // Keeps a poisoned donor the user still holds only weakly (py_types.h
@@ -156,9 +160,7 @@ bool ReleaseIfUnheld(PyObject* entry, PyObject* t) {
 // just before the execution is dispatched.  Kept when its buffer cannot be
 // read natively.
 void WeakenHeld(PyObject* entry, PyObject* t) {
-  if (!LazyReadsEnabled()) return;
-  HeldBuffer* buffer = TakeBuffer(ImplAddress(t));
-  if (buffer && !WeakenEntryTensor(entry, buffer)) DropBuffer(buffer);
+  if (LazyReadsEnabled()) KeepBuffer(entry, t, WeakenEntryTensor);
 }
 
 // Before the real execution, with the flags armed: lets go of every donor

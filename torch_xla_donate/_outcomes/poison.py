@@ -174,9 +174,8 @@ def poison(t: torch.Tensor, record, note: str = "") -> None:
     core = inner(t)
     # The tensor torch_xla computes with first: once it refuses operators,
     # the value is safe whatever happens to the wrapper.
+    C.tag_record(core, record, note)
     for x in reversed(_both(t, core)):
-        if x is core:
-            C.tag_record(x, record, note)
         if not isinstance(x, _DonatedTensor):
             _set_class(x, _poison_class_for(type(x), refuses_operators=x is core))
         if x is core:
