@@ -70,9 +70,12 @@ dispatches it, a compiled call runs its executable.
 Finish or fail, settle and verdicts
 -----------------------------------
 The barrier trampoline's second half, ``_hooks/commit.barrier_after``, and
-a compiled call once it returns end in ``_hooks/commit.finish``: flags
-cleared and ``p`` poisoned in one native call (``C.disarm_and_poison``),
-its verdict IN_FLIGHT (``_outcomes/verdicts.after_commit``).  An execution
+a compiled call once it returns end in ``_hooks/commit.finish``: ``p``
+poisoned in one native call (``C.disarm_and_poison``), its verdict
+IN_FLIGHT (``_outcomes/verdicts.after_commit``); its flag is cleared
+there if its entry keeps ``p``, else (one device, native reads: the entry
+keeps the buffer) by that verdict or by the next execution's commit,
+whichever comes first, if the step did not consume the buffer.  An execution
 that raised ends in ``_hooks/commit.fail`` instead: flags cleared, the
 failure noted (``_outcomes/failures.note_failure``) and ``p`` kept
 (``_outcomes/verdicts.failed``: STEP_FAILED, or LOST if torch_xla lost the

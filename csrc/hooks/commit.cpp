@@ -157,10 +157,10 @@ bool ReleaseIfUnheld(PyObject* entry, PyObject* t) {
 // WeakenEntryTensor): its verdict reads the buffer, which the entry takes,
 // so the tensor dies when the loop drops it, as raw donation's do, rather
 // than with the entry at the next barrier, whose release would free it
-// just before the execution is dispatched.  Kept when its buffer cannot be
-// read natively.
-void WeakenHeld(PyObject* entry, PyObject* t) {
-  if (LazyReadsEnabled()) KeepBuffer(entry, t, WeakenEntryTensor);
+// just before the execution is dispatched.  False, the entry keeping the
+// tensor, when its buffer cannot be read natively.
+bool WeakenHeld(PyObject* entry, PyObject* t) {
+  return LazyReadsEnabled() && KeepBuffer(entry, t, WeakenEntryTensor);
 }
 
 // Before the real execution, with the flags armed: lets go of every donor
@@ -179,12 +179,11 @@ size_t ReleaseUnheld(py::list donors) {
   return released;
 }
 
-// After the real execution has built its graph: clear the donor flag of
-// each donor the user still holds, and poison it.  No verdict yet, even for
-// a buffer that reads as deleted already: while the step is being
-// dispatched, XLA holds a donated buffer in a way that reads as deleted, and
-// gives it back if the step then fails.  Only a deletion seen once the step
-// was dispatched is certain (verdicts.py).
+// After the real execution has built its graph: poison each donor the user
+// still holds.  No verdict yet, even for a buffer that reads as deleted
+// already: while the step is being dispatched, XLA holds a donated buffer in
+// a way that reads as deleted, and gives it back if the step then fails.
+// Only a deletion seen once the step was dispatched is certain (verdicts.py).
 //
 // A donor that nothing but its entry refers to (no other Python reference,
 // no C++ owner of its TensorImpl) is not poisoned: no code can put it into
@@ -194,10 +193,18 @@ size_t ReleaseUnheld(py::list donors) {
 // donation's die while tracing, rather than with the entry at the next
 // barrier.  Weak references do not keep it: it dies as it is let go.
 // Without `release`, or when its buffer cannot be read natively, the entry
-// keeps it (its flag, on a buffer that is deleted or freed with the entry,
-// can arm nothing).  The typical loop rebinds its names, and then this
-// costs no torch_xla call at all.  A donor the user still holds is
-// poisoned and, with `release`, kept only weakly from then on (WeakenHeld).
+// keeps it.  A donor the user still holds is poisoned and, with `release`,
+// kept only weakly from then on (WeakenHeld).
+//
+// The donor flag: the graph's donor set is fixed, so it is cleared now on a
+// donor the entry keeps, and left armed on a buffer the entry's record keeps
+// (released or weakened): nothing can put that buffer into a graph but a
+// use of its poisoned tensor, which settles the verdict first, and the
+// verdict clears the flag of a buffer it gives back (verdicts.py `_keep`);
+// every later execution's commit clears it too, before its graph is built,
+// if the buffer still holds a value (`live_held`).  A consumed buffer's flag
+// can arm nothing, so the typical loop costs no torch_xla call here at all,
+// whether it rebinds its names or holds the old tensors.
 //
 // Never stops half-way: a donor whose poisoning fails (a tensor subclass
 // that changed its class since marking, say) is returned with the error's
@@ -215,15 +222,52 @@ py::list DisarmAndPoison(py::list donors, bool release) {
     int unreachable = OnlyHeldByItsEntry(t);
     Check(unreachable >= 0);
     if (unreachable) continue;
-    if (SetDonor(t, false) < 0) PyErr_Clear();
+    // Weakened (and its flag left armed) or disarmed before it is poisoned:
+    // torch_xla's call on a poisoned tensor would be a use of it.
+    py::object keep = py::reinterpret_borrow<py::object>(t);  // the entry's goes if weakened
+    if (!(release && WeakenHeld(entry, t)) && SetDonor(t, false) < 0) PyErr_Clear();
     if (Poison(t, rec) != 0) {
       py::error_already_set error;  // takes the Python error
       failed.append(py::make_tuple(py::handle(entry), py::str(error.what())));
-    } else if (release) {
-      WeakenHeld(entry, t);
     }
   }
   return failed;
+}
+
+// live_held(entries) -> [entry]: the entries whose buffer is kept on their
+// record (a donor the commit released or weakened) and still holds a value:
+// a donation not consumed, or not yet, whose flag `finish` left armed.
+// Reads only the buffers: nothing per entry when every one was consumed.
+py::list LiveHeld(py::list entries) {
+  py::list live;
+  for (size_t i = 0, n = entries.size(); i < n; ++i) {
+    PyObject* entry = PyList_GET_ITEM(entries.ptr(), i);
+    const HeldBuffer* buffer = EntryBuffer(entry);
+    if (buffer && !HeldBufferConsumed(buffer)) Check(PyList_Append(live.ptr(), entry) == 0);
+  }
+  return live;
+}
+
+// The buffer `rec` keeps (its donor released or weakened by a commit), if
+// it still holds a value; else null.
+const HeldBuffer* LiveBufferOf(PyObject* rec) {
+  const auto* buffer = static_cast<const HeldBuffer*>(RecordArg(rec)->held.get());
+  return buffer && !HeldBufferConsumed(buffer) ? buffer : nullptr;
+}
+
+// held_live(record) -> bool: whether `record` keeps a buffer that still
+// holds a value (whose flag `finish` may have left armed).
+bool HeldLive(py::handle rec) { return LiveBufferOf(rec.ptr()) != nullptr; }
+
+// disarm_record(record, carrier, set_donation): clears the donor flag of
+// the buffer `record` keeps, if it still holds a value, through the XLA
+// tensor `carrier` (lazy_reads.h SetHeldBufferDonation).  Before a verdict
+// gives the value back.
+void DisarmRecord(py::handle rec, py::object carrier, py::object set_donation) {
+  RequireBound();
+  const HeldBuffer* buffer = LiveBufferOf(rec.ptr());
+  if (buffer && SetHeldBufferDonation(buffer, carrier.ptr(), set_donation.ptr(), false) < 0)
+    PyErr_Clear();
 }
 
 // entry_consumed(entry) -> bool: whether the buffer of a released entry
@@ -273,6 +317,10 @@ void RegisterCommit(PyObject* module) {
   m.def("release_unheld", &ReleaseUnheld, py::arg("donors"));
   m.def("disarm_and_poison", &DisarmAndPoison, py::arg("donors"), py::arg("release") = false);
   m.def("entry_consumed", &EntryConsumed, py::arg("entry"));
+  m.def("live_held", &LiveHeld, py::arg("entries"));
+  m.def("held_live", &HeldLive, py::arg("record"));
+  m.def("disarm_record", &DisarmRecord, py::arg("record"), py::arg("carrier"),
+        py::arg("set_donation"));
   m.def("settle_entries", &SettleEntries, py::arg("entries"), py::arg("certain"));
 }
 

@@ -22,19 +22,46 @@ def _state(dev, n=64, value=None):
     return materialize(t)
 
 
-def test_marking_arms_nothing_and_the_barrier_clears_what_it_armed(dev):
+def _unlazy_other(dev, x):
+    y = torch.ones(5, device=dev) + 1
+    xm.unlazy([y])  # an execution that commits nothing
+
+
+# What clears the flag an unused donation's buffer kept from its barrier,
+# and whether the verdict (and its warning) comes with it.
+CLEARED_BY = {
+    "the next barrier": (lambda dev, x: torch_xla.sync(wait=False), True),
+    "an execution that commits nothing": (_unlazy_other, False),
+    "a use of the tensor": (lambda dev, x: x + 0, True),
+    "settle()": (lambda dev, x: tdx.settle(), True),
+}
+
+
+@pytest.mark.parametrize("cleared_by", list(CLEARED_BY))
+def test_marking_arms_nothing_and_what_the_barrier_armed_cannot_fire_later(dev, cleared_by):
     p, g = _state(dev), _state(dev)
     tdx.donate_buffer(p)
     assert not _flag(p), "marking alone must not arm torch_xla's flag"
     new = p + g
     x = _state(dev, n=3)  # an unused donation: its buffer survives the step
+    expected = x.cpu()
     tdx.donate_buffer(x)
     torch_xla.sync(wait=False)
-    # Right after the barrier returned, before any verdict: disarmed.
+    # Held by the loop, x is poisoned and its entry keeps the buffer: no graph
+    # can read it before its verdict, whose flag is cleared by the verdict or
+    # by any execution before it builds its graph, whichever comes first.
+    clear, settles = CLEARED_BY[cleared_by]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        clear(dev, x)
     assert not _flag(x)
-    with pytest.warns(tdx.UnusedDonationWarning):
+    unused = [w for w in caught if issubclass(w.category, tdx.UnusedDonationWarning)]
+    assert len(unused) == settles
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tdx.UnusedDonationWarning)
         tdx.settle()
     assert tdx.is_deleted(p) and not tdx.is_deleted(x) and not _flag(x)
+    assert torch.equal(x.cpu(), expected)
 
 
 def test_unlazy_leaves_marks_untouched_for_the_next_barrier(dev):

@@ -11,12 +11,23 @@ Ours until committed
 --------------------
 A mark is the plugin's alone until an execution commits it: torch_xla's
 buffer-donor flag is set only inside that execution, on the buffer the
-marked tensor holds at that moment, and cleared as soon as torch_xla has
-built the execution's graph (its donor set is fixed then; clearing the flag
-does not cancel the donation, measured on cached graphs too).  So no
-torch_xla path the plugin does not see can take a marked buffer, whatever
-happened to the tensor in between (``t.copy_(s)``, ``swap_tensors``,
-``mark_sharding``, a flush of pending work).
+marked tensor holds at that moment.  So no torch_xla path the plugin does
+not see can take a marked buffer, whatever happened to the tensor in
+between (``t.copy_(s)``, ``swap_tensors``, ``mark_sharding``, a flush of
+pending work).
+
+Once torch_xla has built the execution's graph its donor set is fixed
+(clearing a flag then does not cancel the donation, measured on cached
+graphs too), and the flag matters only on a buffer the step did not consume:
+it must not fire at a later execution.  A donor its entry keeps is disarmed
+at once (``finish``).  One kept by its buffer alone (released, or poisoned
+and held weakly) keeps its flag: no graph can read that buffer but through
+a use of its poisoned tensor, which settles the verdict first, and a verdict
+that gives the value back clears the flag (``verdicts._keep``); every later
+execution's commit (a barrier's, a flush's, a compiled call's extraction)
+clears it too before its graph is built if the buffer still holds a value
+(``verdicts.disarm_in_flight``).  A consumed buffer's flag can arm nothing,
+so the step costs no torch_xla call to disarm.
 
 The stages of a commit
 ----------------------
@@ -40,11 +51,11 @@ Both executions that take marks run the same stages, one function each
    the donor set it was built with, so a call that runs a cached one sets
    no flag;
 4. the execution builds its graph (fixing its donor set) and runs;
-5. ``finish``: clear the flags, poison the donors, leave their verdicts in
-   flight (verdicts.py); or, when the execution raised, ``fail``: clear the
-   flags, note the failure and abandon the donations (failures.py):
-   STEP_FAILED, values kept.  A step's ending is written there, and
-   nowhere else.
+5. ``finish``: poison the donors, clear the flags of those the entries
+   keep, leave the verdicts in flight (verdicts.py); or, when the execution
+   raised, ``fail``: clear the flags, note the failure and abandon the
+   donations (failures.py): STEP_FAILED, values kept.  A step's ending is
+   written there, and nowhere else.
 
 Around the real barrier
 -----------------------
@@ -112,9 +123,10 @@ def barrier_before(device="", devices=(), wait=True, reset_scope=True, *, commit
     lock.acquire()
     try:
         fast_path.refresh()
+        here = _devices.barrier_device(device)
+        verdicts.disarm_in_flight(here)  # before this execution arms anything
         if not commits:
             return _FLUSH
-        here = _devices.barrier_device(device)
         # No verdict of an earlier step before the real barrier: it may still
         # be dispatching, and a buffer reads as deleted while XLA holds it for
         # a donation it may yet give back (see verdicts.py).
@@ -200,7 +212,7 @@ def barrier_after(token, result, error):
         if token is _FLUSH:
             return result
         if error is not None:
-            fail(token.donors, token.auto, token.device)
+            fail(token.donors, token.auto)
             return result
         _devices.note_barrier(token.device)
         if xla.local_device_count() == 1:
@@ -240,9 +252,10 @@ def release_unheld(donors) -> None:
 
 def finish(device, donors, notices, certain: bool) -> None:
     """The end of every commit whose execution ran (a step barrier's, a
-    compiled call's), once its donor set is fixed: clear the flags, poison
-    the donors the user still holds and their companions, leave the
-    verdicts in flight.  ``certain``: the execution was waited for.
+    compiled call's), once its donor set is fixed: poison the donors the
+    user still holds and their companions, clear the flags of the donors
+    the entries keep (see "Ours until committed"), leave the verdicts in
+    flight.  ``certain``: the execution was waited for.
 
     A donor nothing but its entry refers to is not poisoned: no code can put
     it into another graph.  With one device (and native reads on) it is let
@@ -267,7 +280,7 @@ def finish(device, donors, notices, certain: bool) -> None:
     verdicts.after_commit(device, donors, certain=certain)
 
 
-def fail(donors, dead_inputs=None, device=None) -> None:
+def fail(donors, dead_inputs=None) -> None:
     """The end of every commit whose execution raised (a step barrier's, a
     compiled call's): no flag stays armed, the dead inputs armed with the
     donors (``auto.at_commit``'s token) are let go, every step so far may
@@ -278,14 +291,11 @@ def fail(donors, dead_inputs=None, device=None) -> None:
 
     The tricky case: a donor ``release_unheld`` let go before the execution.
     Its buffer is no tensor's, but the failed step's pending outputs still
-    read it and the next barrier runs them again: its flag is cleared
-    through a carrier tensor of ``device`` (the barrier's).
+    read it and the next barrier runs them again: its verdict clears its
+    flag (``verdicts._keep``), on the buffer its record keeps.
     """
     auto.abandon(dead_inputs)
-    if device is not None and any(t is None for t, _ in donors):
-        C.disarm(donors, auto.carrier(device), xla.real("_set_buffer_donation"))
-    else:
-        C.disarm(donors)
+    C.disarm(donors)  # the donors the entries hold; released ones by their verdict
     failures.note_failure()
     verdicts.failed(donors)
 
@@ -365,12 +375,20 @@ def _cancel_junk(tensors, records):
 # armed outside a commit, so they take nothing; they only wait for a commit
 # another thread has in progress on the same device, whose flags are armed.
 # (With one device per thread, ``torch_xla.launch``, they need not wait.)
+# With one device they clear, as a barrier does, the flags ``finish`` left
+# armed on in-flight buffers that still hold a value
+# (``verdicts.disarm_in_flight``).
 
 
 def flush_before(*args, **kwargs):
     if xla.local_device_count() > 1:
         return C.PASS
     lock.acquire()
+    try:
+        verdicts.disarm_in_flight(_devices.barrier_device(""))
+    except BaseException:
+        lock.release()
+        raise
     return _FLUSH
 
 

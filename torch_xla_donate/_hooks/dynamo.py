@@ -62,7 +62,7 @@ from .._base.messages import Notices
 from .._base.native import C, Via
 from .._base.sites import user_site
 from .._marking import graph_ops, marks
-from .._outcomes import poison
+from .._outcomes import poison, verdicts
 from . import commit, executions
 
 __all__ = ["install", "uninstall", "installed", "TRAMPOLINES"]
@@ -267,6 +267,11 @@ def _hash_before(*args, **kwargs):
     if arming is None or getattr(_local, "armed", None) is not None:
         return C.PASS
     lock.acquire()
+    try:
+        verdicts.disarm_in_flight(xla.default_device())  # before arming this call's
+    except BaseException:
+        lock.release()
+        raise
     withheld = getattr(_local, "withheld", None) or ()
     static = getattr(_local, "static", None) if getattr(_local, "static_on", True) else None
     tensors = list(arming) + [t for t in static or () if t._cdata not in withheld]

@@ -32,8 +32,12 @@ The verdicts
 * LOST: the execution failed and torch_xla lost the buffer with it
   (torch_xla 2.7 on a compile error): the tensor refuses use.
 
-torch_xla's donor flag was cleared as soon as the execution had built its
-graph (commit.py), so an unused donation cannot fire at a later step.
+An unused donation cannot fire at a later step: torch_xla's donor flag is
+cleared as soon as the execution has built its graph (commit.py), or, for a
+donor the commit keeps by its buffer alone (released, or poisoned and held
+weakly), by the verdict that gives the value back (``_keep``) and, before
+then, by every later commit before its graph is built
+(``disarm_in_flight``) if the buffer still holds a value.
 
 Where each verdict is set
 -------------------------
@@ -55,7 +59,7 @@ from .._base.native import C
 from . import auto, autograd_holds, companions, devices, failures, poison, unused
 
 __all__ = ["after_commit", "settle", "settle_one", "abandon", "failed", "drop",
-           "settled_listeners", "notify_settled"]
+           "disarm_in_flight", "settled_listeners", "notify_settled"]
 
 # (tensor, record) C.Entry of committed donations whose verdict is not known
 # yet; the tensor is None once the commit released it (commit.finish): the
@@ -235,6 +239,20 @@ def release_unheld() -> None:
         C.release_unheld(_in_flight)
 
 
+def disarm_in_flight(device) -> None:
+    """Before an execution on ``device`` builds its graph: clears the donor
+    flag that ``commit.finish`` left armed on the buffer of an in-flight
+    donation kept by its buffer alone, if that buffer still holds a value
+    (not consumed, or not yet).  A consumed buffer's flag can arm nothing,
+    so the typical step reads each buffer and calls nothing.  One device
+    only (commit.finish keeps buffers alone only then).  Called with the
+    lock held, before any flag of the execution is armed."""
+    if _in_flight:
+        live = C.live_held(_in_flight)
+        if live:
+            C.disarm(live, auto.carrier(device), xla.real("_set_buffer_donation"))
+
+
 def in_flight_count() -> int:
     return len(_in_flight)
 
@@ -248,6 +266,12 @@ def _keep(t, record, verdict) -> None:
     An unused donation's caller warns (unused.py); a failed step's and a
     switched-off one's stay quiet (the failure, the switch are the news).
     """
+    if C.held_live(record):
+        # The buffer the record keeps (a released or weakened donor) still
+        # has the flag the commit left armed (commit.finish): cleared before
+        # anyone can read the value.
+        device = t.device if t is not None else devices.barrier_device("")
+        C.disarm_record(record, auto.carrier(device), xla.real("_set_buffer_donation"))
     C.settle(record, verdict)
     if t is not None and poison.is_poisoned(t):
         poison.unpoison(t)
