@@ -303,3 +303,32 @@ def test_a_compiled_in_place_update_of_parameters_keeps_every_value(dev):
         assert (report.donated, report.updated_in_place, report.reused) == (2, 2, 0)
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-4, atol=1e-4)
+
+
+def test_an_extraction_arms_only_once_earlier_live_flags_are_cleared(dev, monkeypatch):
+    # An unused donation of a barrier keeps its flag until its verdict or
+    # the next commit (commit.py, "Ours until committed"); an extraction,
+    # whose executable keeps the donor set of the flags armed then, clears
+    # it before arming its own.
+    from torch_xla_donate._hooks import dynamo
+
+    x, p, g = materialize(torch.arange(5.0, device=dev), *_pair(dev))
+    tdx.donate_buffer(x)  # no output of the step can take it
+    y = p * 2
+    torch_xla.sync(wait=False)
+    assert torch_xla._XLAC._get_buffer_donation(x), "left armed by the barrier"
+    seen = []
+    real = dynamo.xla.set_donor
+
+    def spy(t, donate):
+        if donate:
+            seen.append(torch_xla._XLAC._get_buffer_donation(x))
+        return real(t, donate)
+
+    monkeypatch.setattr(dynamo.xla, "set_donor", spy)
+    tdx.donate_buffer(p)
+    with pytest.warns(tdx.UnusedDonationWarning):  # the call settles x's verdict
+        torch.compile(_update, backend="openxla")(p, g)
+    assert seen and not any(seen), "an extraction armed with an earlier flag still set"
+    tdx.settle()
+    assert torch.equal(x.cpu(), torch.arange(5.0)) and tdx.is_deleted(p)

@@ -27,12 +27,19 @@ def _unlazy_other(dev, x):
     xm.unlazy([y])  # an execution that commits nothing
 
 
+def _compiled_call_donating_another(dev, x):
+    y = torch.full((7,), 2.0).to(dev)  # device data at once: no barrier
+    tdx.donate_buffer(y)
+    return torch.compile(lambda t: t * 3, backend="openxla")(y)
+
+
 # What clears the flag an unused donation's buffer kept from its barrier,
 # and whether the verdict (and its warning) comes with it.
 CLEARED_BY = {
     "the next barrier": (lambda dev, x: torch_xla.sync(wait=False), True),
     "an execution that commits nothing": (_unlazy_other, False),
     "a use of the tensor": (lambda dev, x: x + 0, True),
+    "a compiled call": (_compiled_call_donating_another, True),
     "settle()": (lambda dev, x: tdx.settle(), True),
 }
 
