@@ -107,26 +107,18 @@ py::tuple Arm(py::list donors) {
   return py::make_tuple(armed, refused);
 }
 
-// Clears the donor flag of every entry.  Never raises for one tensor: a
-// buffer a step consumed keeps a flag nothing can read any more.  An entry
-// released before its execution (ReleaseUnheld) that then failed keeps its
-// flag on a buffer the failed step's pending outputs still read: with a
-// `carrier` XLA tensor and torch_xla's `set_donation`, it is cleared through
-// the carrier (lazy_reads.h SetHeldBufferDonation).
-void Disarm(py::list entries, py::object carrier, py::object set_donation) {
+// Clears the donor flag of every entry that holds its tensor.  Never raises
+// for one tensor: a buffer a step consumed keeps a flag nothing can read
+// any more.  An entry that keeps only its buffer (released or weakened) is
+// skipped: its verdict, or the next commit, clears that flag
+// (`disarm_held`).
+void Disarm(py::list entries) {
   RequireBound();
   for (size_t i = 0, n = entries.size(); i < n; ++i) {
     PyObject* entry = PyList_GET_ITEM(entries.ptr(), i);
     PyObject* rec;
     PyObject* t = TensorOf(entry, &rec);
-    if (t == Py_None) {
-      const HeldBuffer* buffer = EntryBuffer(entry);
-      if (buffer && !carrier.is_none() &&
-          SetHeldBufferDonation(buffer, carrier.ptr(), set_donation.ptr(), false) < 0)
-        PyErr_Clear();
-      continue;
-    }
-    if (SetDonor(t, false) < 0) PyErr_Clear();
+    if (t != Py_None && SetDonor(t, false) < 0) PyErr_Clear();
   }
 }
 
@@ -202,7 +194,7 @@ size_t ReleaseUnheld(py::list donors) {
 // use of its poisoned tensor, which settles the verdict first, and the
 // verdict clears the flag of a buffer it gives back (verdicts.py `_keep`);
 // every later execution's commit clears it too, before its graph is built,
-// if the buffer still holds a value (`live_held`).  A consumed buffer's flag
+// if the buffer still holds a value (`live_held`, `disarm_held`).  A consumed buffer's flag
 // can arm nothing, so the typical loop costs no torch_xla call here at all,
 // whether it rebinds its names or holds the old tensors.
 //
@@ -234,40 +226,41 @@ py::list DisarmAndPoison(py::list donors, bool release) {
   return failed;
 }
 
-// live_held(entries) -> [entry]: the entries whose buffer is kept on their
-// record (a donor the commit released or weakened) and still holds a value:
-// a donation not consumed, or not yet, whose flag `finish` left armed.
-// Reads only the buffers: nothing per entry when every one was consumed.
-py::list LiveHeld(py::list entries) {
-  py::list live;
-  for (size_t i = 0, n = entries.size(); i < n; ++i) {
-    PyObject* entry = PyList_GET_ITEM(entries.ptr(), i);
-    const HeldBuffer* buffer = EntryBuffer(entry);
-    if (buffer && !HeldBufferConsumed(buffer)) Check(PyList_Append(live.ptr(), entry) == 0);
-  }
-  return live;
-}
-
-// The buffer `rec` keeps (its donor released or weakened by a commit), if
-// it still holds a value; else null.
-const HeldBuffer* LiveBufferOf(PyObject* rec) {
+// The buffer the record of `item` (an entry, or a record) keeps for its
+// donor, released or weakened by a commit, if it still holds a value; else
+// null.
+const HeldBuffer* LiveHeldBuffer(PyObject* item) {
+  PyObject* t;
+  PyObject* rec;
+  if (!EntryParts(item, &t, &rec)) rec = item;  // a record itself
   const auto* buffer = static_cast<const HeldBuffer*>(RecordArg(rec)->held.get());
   return buffer && !HeldBufferConsumed(buffer) ? buffer : nullptr;
 }
 
-// held_live(record) -> bool: whether `record` keeps a buffer that still
-// holds a value (whose flag `finish` may have left armed).
-bool HeldLive(py::handle rec) { return LiveBufferOf(rec.ptr()) != nullptr; }
+// live_held(items) -> [item]: the entries or records whose record keeps a
+// buffer (its donor released or weakened by a commit) that still holds a
+// value: a donation not consumed, or not yet, whose flag `finish` left
+// armed.  Reads only the buffers: nothing when every one was consumed.
+py::list LiveHeld(py::list items) {
+  py::list live;
+  for (size_t i = 0, n = items.size(); i < n; ++i) {
+    PyObject* item = PyList_GET_ITEM(items.ptr(), i);
+    if (LiveHeldBuffer(item)) Check(PyList_Append(live.ptr(), item) == 0);
+  }
+  return live;
+}
 
-// disarm_record(record, carrier, set_donation): clears the donor flag of
-// the buffer `record` keeps, if it still holds a value, through the XLA
-// tensor `carrier` (lazy_reads.h SetHeldBufferDonation).  Before a verdict
-// gives the value back.
-void DisarmRecord(py::handle rec, py::object carrier, py::object set_donation) {
+// disarm_held(items, carrier, set_donation): clears the donor flag of the
+// buffer each item's record keeps, if it still holds a value, through the
+// XLA tensor `carrier` (lazy_reads.h SetHeldBufferDonation): no tensor of
+// the user's is touched.
+void DisarmHeld(py::list items, py::object carrier, py::object set_donation) {
   RequireBound();
-  const HeldBuffer* buffer = LiveBufferOf(rec.ptr());
-  if (buffer && SetHeldBufferDonation(buffer, carrier.ptr(), set_donation.ptr(), false) < 0)
-    PyErr_Clear();
+  for (size_t i = 0, n = items.size(); i < n; ++i) {
+    const HeldBuffer* buffer = LiveHeldBuffer(PyList_GET_ITEM(items.ptr(), i));
+    if (buffer && SetHeldBufferDonation(buffer, carrier.ptr(), set_donation.ptr(), false) < 0)
+      PyErr_Clear();
+  }
 }
 
 // entry_consumed(entry) -> bool: whether the buffer of a released entry
@@ -312,15 +305,12 @@ void RegisterCommit(PyObject* module) {
         py::arg("pending"));
   m.def("pending_flags", &PendingFlagsOf, py::arg("tensors"));
   m.def("arm", &Arm, py::arg("donors"));
-  m.def("disarm", &Disarm, py::arg("entries"), py::arg("carrier") = py::none(),
-        py::arg("set_donation") = py::none());
+  m.def("disarm", &Disarm, py::arg("entries"));
   m.def("release_unheld", &ReleaseUnheld, py::arg("donors"));
   m.def("disarm_and_poison", &DisarmAndPoison, py::arg("donors"), py::arg("release") = false);
   m.def("entry_consumed", &EntryConsumed, py::arg("entry"));
-  m.def("live_held", &LiveHeld, py::arg("entries"));
-  m.def("held_live", &HeldLive, py::arg("record"));
-  m.def("disarm_record", &DisarmRecord, py::arg("record"), py::arg("carrier"),
-        py::arg("set_donation"));
+  m.def("live_held", &LiveHeld, py::arg("items"));
+  m.def("disarm_held", &DisarmHeld, py::arg("items"), py::arg("carrier"), py::arg("set_donation"));
   m.def("settle_entries", &SettleEntries, py::arg("entries"), py::arg("certain"));
 }
 

@@ -5,7 +5,7 @@
 // tensor holds at that moment, and `disarm_and_poison` clears it as soon as
 // that execution has built its graph, unless a donor is kept by its buffer
 // alone: then the verdict or the next execution's commit clears it
-// (`live_held`, `held_live`, `disarm_record`), if the buffer was not consumed.
+// (`live_held`, `disarm_held`), if the buffer was not consumed.
 #pragma once
 
 #include <Python.h>
@@ -13,7 +13,7 @@
 namespace torch_xla_donate {
 
 // Registers split_committed, arm, disarm, disarm_and_poison, live_held,
-// held_live, disarm_record and settle_entries on `module`.
+// disarm_held and settle_entries on `module`.
 void RegisterCommit(PyObject* module);
 
 }  // namespace torch_xla_donate

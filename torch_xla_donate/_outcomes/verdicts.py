@@ -248,9 +248,19 @@ def disarm_in_flight(device) -> None:
     only (commit.finish keeps buffers alone only then).  Called with the
     lock held, before any flag of the execution is armed."""
     if _in_flight:
-        live = C.live_held(_in_flight)
-        if live:
-            C.disarm(live, auto.carrier(device), xla.real("_set_buffer_donation"))
+        _disarm_held(_in_flight, device)
+
+
+def _disarm_held(items, device=None) -> None:
+    """Clears the flag ``commit.finish`` left armed on the buffer the record
+    of each of ``items`` (entries or records) keeps, where that buffer still
+    holds a value, through a carrier tensor of ``device`` (None: the
+    thread's; buffers are kept so with one device only), looked up only
+    when there is one to clear."""
+    live = C.live_held(items)
+    if live:
+        carrier = auto.carrier(device if device is not None else devices.barrier_device(""))
+        C.disarm_held(live, carrier, xla.real("_set_buffer_donation"))
 
 
 def in_flight_count() -> int:
@@ -266,12 +276,10 @@ def _keep(t, record, verdict) -> None:
     An unused donation's caller warns (unused.py); a failed step's and a
     switched-off one's stay quiet (the failure, the switch are the news).
     """
-    if C.held_live(record):
-        # The buffer the record keeps (a released or weakened donor) still
-        # has the flag the commit left armed (commit.finish): cleared before
-        # anyone can read the value.
-        device = t.device if t is not None else devices.barrier_device("")
-        C.disarm_record(record, auto.carrier(device), xla.real("_set_buffer_donation"))
+    # The buffer the record keeps (a released or weakened donor: one device)
+    # may still have the flag the commit left armed: cleared before anyone
+    # can read the value.
+    _disarm_held([record])
     C.settle(record, verdict)
     if t is not None and poison.is_poisoned(t):
         poison.unpoison(t)
