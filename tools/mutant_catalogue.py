@@ -25,6 +25,14 @@ MUTANTS = [
        "failed = C.disarm_and_poison(donors, release=xla.local_device_count() == 1)",
        "C.disarm(donors); failed = []",
        "test/hooks/test_commit.py -k 'use_raises or every_use'"),
+    _m("verdict-leaves-flag", "a verdict gives a kept buffer back with its flag armed",
+       "torch_xla_donate/_outcomes/verdicts.py", "    _disarm_held([record])", "    pass",
+       "test/outcomes/test_verdicts.py -k cannot_fire",
+       "test/hooks/test_executions.py -k cannot_fire"),
+    _m("in-flight-flags-left", "a later execution builds its graph with a kept buffer armed",
+       "torch_xla_donate/_outcomes/verdicts.py", "        _disarm_held(_in_flight, device)",
+       "        pass", "test/hooks/test_executions.py -k what_the_barrier",
+       "test/hooks/test_dynamo.py -k earlier_live"),
     _m("arm-never", "the donor flag is never armed (donors pass as armed)", COMMIT,
        "armed, refused = C.arm(donors)", "armed, refused = donors, []",
        "test/hooks/test_commit.py -k barrier_commits"),
@@ -108,9 +116,11 @@ MUTANTS = [
        "test/marking/test_marking_twins.py"),
     _m("sharing-screen-off", "buffers shared with live copies are donated",
        "torch_xla_donate/_outcomes/sharing.py",
-       "    if not donors:\n        return donors\n    tensors = [t for t, _ in donors]\n"
+       "    if not donors:\n        return donors\n"
+       "    tensors = [e[0] for e in donors]  # no unpacking: one item read per entry\n"
        "    copies = arena.same_step_copies(tensors)",
-       "    return donors\n    tensors = [t for t, _ in donors]\n"
+       "    return donors\n"
+       "    tensors = [e[0] for e in donors]  # no unpacking: one item read per entry\n"
        "    copies = arena.same_step_copies(tensors)",
        "test/outcomes/test_sharing.py"),
     _m("gradacc-exempt-always", "every step skips holders Python cannot reach",
