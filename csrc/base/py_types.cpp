@@ -282,6 +282,13 @@ bool WeakenEntryTensor(PyObject* entry, HeldBuffer* buffer) {
     PyErr_Clear();  // a tensor class without weak references: kept
     return false;
   }
+  // Out of the garbage collector's sight, as entries and records are: one
+  // reference without a callback holds nothing strongly, so it can close no
+  // cycle, and tracked it would be one more object per held donor and step
+  // for every collection to scan and promote (benchmarks/README.md, "A
+  // bound for the held loop").  A basic reference is shared with any other
+  // taker of `t`'s: none of them can hold anything either.
+  if (PyObject_GC_IsTracked(weak)) PyObject_GC_UnTrack(weak);
   if (KeepBufferOnRecord(entry, buffer, weak)) return true;
   Py_DECREF(weak);
   return false;
