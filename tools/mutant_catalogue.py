@@ -258,4 +258,8 @@ MUTANTS = [
     _m("native-fast-path-views", "the native fast path marks a view", "csrc/marking/marking.cpp",
        "    r = IsView(t);", "    r = 0;", "test/marking/test_marking_twins.py",
        "test/marking/test_api.py -k view", "test/marking/test_bad_input.py -k view"),
+    _m("weak-ref-tracked", "the weak reference keeping a held donor stays tracked by the "
+       "garbage collector", "csrc/base/py_types.cpp",
+       "  if (PyObject_GC_IsTracked(weak)) PyObject_GC_UnTrack(weak);", "",
+       "test/outcomes/test_release.py -k collector"),
 ]
