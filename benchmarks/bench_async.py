@@ -25,11 +25,14 @@ of a shared machine, and the luck of a process's memory layout, hit every
 mode alike); throughput is steps per second over a window, the wait for the
 device at its end included.  A mode's rate is the median of its windows, and
 the ratio to "no donation" is taken per process, then the median over
-processes.
+processes.  Beside the rates, the collections Python's garbage collector ran
+per step in each mode's windows (a count): the median of windows drops a
+window with a full collection in it, the count does not.
 
     python benchmarks/bench_async.py [--repeats 5] [--windows 8] [--steps 20]
 """
 import argparse
+import gc
 import os
 import sys
 import time
@@ -90,21 +93,29 @@ def child(count: int, numel: int, hold: int, windows: int, steps: int) -> dict:
             step(mode)
     xm.wait_device_ops()
     rates = {mode: [] for mode in MODES}
+    # Collections per generation while each mode's windows ran: a count, which
+    # does not drift, and what a median of windows drops (a window with a full
+    # collection in it is an outlier).
+    collections = {mode: [0, 0, 0] for mode in MODES}
     for w in range(windows):
         for mode in C.round_robin(MODES, w):
             step(mode)  # settles the verdicts the previous mode left open
             xm.wait_device_ops()
+            before = [g["collections"] for g in gc.get_stats()]
             start = time.perf_counter()
             for _ in range(steps):
                 step(mode)
             xm.wait_device_ops()
             rates[mode].append(steps / (time.perf_counter() - start))
+            for i, g in enumerate(gc.get_stats()):
+                collections[mode][i] += g["collections"] - before[i]
     torch_xla.sync()
     first = float(state[0][0].cpu())
     # Every mode computes the same update: state[0] (1.0 at the start) after
     # `taken` steps of p <- 0.995 p - 0.001, whatever was donated on the way.
     expected = -0.2 + 1.2 * 0.995 ** taken
     return {"steps_per_s": {m: C.median(r) for m, r in rates.items()}, "windows": rates,
+            "gc_per_step": {m: [n / (windows * steps) for n in c] for m, c in collections.items()},
             "value": first, "expected": expected}
 
 
@@ -149,12 +160,18 @@ def main():
             rows.append([wname, mode, f"{rate:.1f}", f"{100 * ratio:.1f}%", f"{100 * vs_raw:.1f}%",
                          " ".join(f"{p}%" for p in raw_spread)])
         wrong = [r["value"] for r in procs if abs(r["value"] - r["expected"]) > 1e-4]
+        gcs = {m: [C.median([r["gc_per_step"][m][i] for r in procs]) for i in range(3)]
+               for m in ("donate_buffer", RAW)}
+        summary[f"{wname} | collections per step (gen 0, 1, 2)"] = gcs
         ratio = summary[f"{wname} | donate_buffer"]["vs_raw"]
         plain = summary[f"{wname} | donate_buffer"]["vs_no_donation"]
         verdicts.append(
             f"- {wname}: donate_buffer runs at {100 * ratio:.1f}% of raw donation's throughput "
             f"({100 * plain:.1f}% of no donation): "
             f"{'target met' if ratio >= TARGET else 'TARGET MISSED'} (≥ {100 * TARGET:.0f}% of raw)."
+            + " Python's collector, per step (generations 0 / 1 / 2): donate_buffer "
+            + " / ".join(f"{n:.3g}" for n in gcs["donate_buffer"]) + ", raw "
+            + " / ".join(f"{n:.3g}" for n in gcs[RAW]) + "."
             + ("" if not wrong else f" WRONG VALUES (not the update's closed form): {wrong}")
         )
     text = C.table(["workload", "mode", "steps/s", "vs no donation", "vs raw donation",
