@@ -6,6 +6,7 @@ Every benchmark runs each measured configuration in a fresh interpreter
 one configuration cannot leak into another.  Children print one JSON line.
 """
 import datetime
+import gc
 import json
 import os
 import platform
@@ -119,6 +120,37 @@ def round_robin(modes, r):
     """
     k = r % len(modes)
     return modes[k:] + modes[:k]
+
+
+def interleaved_rates(step, modes, windows: int, steps: int, wait) -> tuple:
+    """Runs ``step(mode)`` for every mode in one process: 5 steps each to
+    compile its graph, then ``windows`` rounds in which each mode, in
+    ``round_robin`` order, runs ``steps`` steps (after one that settles what
+    the previous mode left open).  ``wait()`` waits for the device, also at
+    the end of each window.  Returns (steps per second of each window, by
+    mode; collections Python's garbage collector ran per generation during
+    each mode's windows: a count, which does not drift, and which a median
+    of windows does not drop the way it drops a window with a full
+    collection in it)."""
+    for mode in modes:
+        for _ in range(5):
+            step(mode)
+    wait()
+    rates = {mode: [] for mode in modes}
+    collections = {mode: [0, 0, 0] for mode in modes}
+    for w in range(windows):
+        for mode in round_robin(modes, w):
+            step(mode)
+            wait()
+            before = [g["collections"] for g in gc.get_stats()]
+            start = time.perf_counter()
+            for _ in range(steps):
+                step(mode)
+            wait()
+            rates[mode].append(steps / (time.perf_counter() - start))
+            for i, g in enumerate(gc.get_stats()):
+                collections[mode][i] += g["collections"] - before[i]
+    return rates, collections
 
 
 def floor_sync(xlac, donors, sync) -> None:

@@ -32,10 +32,8 @@ window with a full collection in it, the count does not.
     python benchmarks/bench_async.py [--repeats 5] [--windows 8] [--steps 20]
 """
 import argparse
-import gc
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
@@ -88,35 +86,19 @@ def child(count: int, numel: int, hold: int, windows: int, steps: int) -> dict:
             torch_xla.sync(wait=False)
         del old
 
-    for mode in MODES:  # compile every mode's graph before measuring
-        for _ in range(5):
-            step(mode)
-    xm.wait_device_ops()
-    rates = {mode: [] for mode in MODES}
-    # Collections per generation while each mode's windows ran: a count, which
-    # does not drift, and what a median of windows drops (a window with a full
-    # collection in it is an outlier).
-    collections = {mode: [0, 0, 0] for mode in MODES}
-    for w in range(windows):
-        for mode in C.round_robin(MODES, w):
-            step(mode)  # settles the verdicts the previous mode left open
-            xm.wait_device_ops()
-            before = [g["collections"] for g in gc.get_stats()]
-            start = time.perf_counter()
-            for _ in range(steps):
-                step(mode)
-            xm.wait_device_ops()
-            rates[mode].append(steps / (time.perf_counter() - start))
-            for i, g in enumerate(gc.get_stats()):
-                collections[mode][i] += g["collections"] - before[i]
+    rates, collections = C.interleaved_rates(step, MODES, windows, steps, xm.wait_device_ops)
     torch_xla.sync()
     first = float(state[0][0].cpu())
-    # Every mode computes the same update: state[0] (1.0 at the start) after
-    # `taken` steps of p <- 0.995 p - 0.001, whatever was donated on the way.
-    expected = -0.2 + 1.2 * 0.995 ** taken
     return {"steps_per_s": {m: C.median(r) for m, r in rates.items()}, "windows": rates,
             "gc_per_step": {m: [n / (windows * steps) for n in c] for m, c in collections.items()},
-            "value": first, "expected": expected}
+            "value": first, "expected": closed_form(taken)}
+
+
+def closed_form(taken: int) -> float:
+    """The first state tensor (1.0 at the start) after ``taken`` steps of
+    ``p <- 0.995 p - 0.001``: every mode computes it, whatever was donated
+    on the way."""
+    return -0.2 + 1.2 * 0.995 ** taken
 
 
 def main():

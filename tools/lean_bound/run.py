@@ -12,23 +12,28 @@ closed form and the lean design's verdicts read the buffers consumed.
 
     python tools/lean_bound/run.py [--processes 8] [--windows 12] [--keep]
 
-Not in CI (a rebuild, then about 20 s a process).  The distance between the
-two medians is what the plugin's own bookkeeping costs (records, the
-ledger, entries, the commit's checks, its Python hooks).
+Not in CI (a rebuild, then about 25 s a process).  Its children run in
+bench_async.py's environment (``_common.child_env``), with the copy's
+package, and its windows (``_common.interleaved_rates``).  The distance
+between the two medians is what the plugin's own bookkeeping costs
+(records, the ledger, entries, the commit's checks, its Python hooks).
 """
 import argparse
-import json
 import os
 import shutil
-import statistics
-import subprocess
 import sys
 import tempfile
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-COUNT, NUMEL, STEPS = 400, 16 * 1024, 20
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import _common as C  # noqa: E402
+import bench_async  # noqa: E402
+
+# bench_async.py's held workload (the old state held through the barrier),
+# measured as it measures it.
+COUNT, NUMEL, _ = bench_async.WORKLOADS["400 x 64 KiB (host-bound)"]
+STEPS = 20
 MODES = ["raw", "donate_buffer", "lean"]
 
 
@@ -75,26 +80,15 @@ def child(windows: int) -> dict:
             torch_xla.sync(wait=False)
         del old
 
-    for mode in MODES:
-        for _ in range(5):
-            step(mode)
-    xm.wait_device_ops()
-    rates = {m: [] for m in MODES}
-    for w in range(windows):
-        for mode in MODES[w % len(MODES):] + MODES[:w % len(MODES)]:
-            step(mode)
-            xm.wait_device_ops()
-            start = time.perf_counter()
-            for _ in range(STEPS):
-                step(mode)
-            xm.wait_device_ops()
-            rates[mode].append(STEPS / (time.perf_counter() - start))
+    rates, collections = C.interleaved_rates(step, MODES, windows, STEPS, xm.wait_device_ops)
     consumed, read, verdicts = _C.lean_settle()
     torch_xla.sync()
-    rate = {m: statistics.median(r) for m, r in rates.items()}
+    rate = {m: C.median(r) for m, r in rates.items()}
     return {"plugin": rate["donate_buffer"] / rate["raw"], "lean": rate["lean"] / rate["raw"],
-            "value": float(state[0][0].cpu()), "expected": -0.2 + 1.2 * 0.995 ** taken,
-            "consumed": consumed, "read": read, "verdicts": verdicts}
+            "value": float(state[0][0].cpu()), "expected": bench_async.closed_form(taken),
+            "consumed": consumed, "read": read, "verdicts": verdicts,
+            "gc_per_step": {m: [n / (windows * STEPS) for n in c]
+                            for m, c in collections.items()}}
 
 
 def build_copy(dest: str) -> None:
@@ -129,21 +123,17 @@ def main() -> int:
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child(args.windows)))
+        C.emit(child(args.windows))
         return 0
     dest = tempfile.mkdtemp(prefix="lean_bound-")
     try:
         build_copy(dest)
-        env = dict(os.environ, PJRT_DEVICE="CPU", PYTHONPATH=dest)
         got = {"plugin": [], "lean": []}
         bad = []
         for i in range(args.processes):
-            proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child",
-                                   "--windows", str(args.windows)],
-                                  cwd=dest, env=env, capture_output=True, text=True)
-            if proc.returncode != 0:
-                sys.exit(f"process {i + 1} failed:\n{proc.stderr[-3000:]}")
-            r = json.loads(proc.stdout.strip().splitlines()[-1])
+            # bench_async.py's children's environment, with the copy's package.
+            r = C.run_child(os.path.abspath(__file__), ["--windows", args.windows],
+                            env={"PYTHONPATH": dest})
             # Every step donates all its inputs, and XLA takes nearly every
             # one (0.8% of them, a step here and there, were not: the lean
             # design does not ask why); fewer says its verdicts read nothing.
@@ -151,11 +141,13 @@ def main() -> int:
                 bad.append(r)
             for k in got:
                 got[k].append(round(100 * r[k], 1))
+            gcs = {m: "/".join(f"{n:.2g}" for n in r["gc_per_step"][m]) for m in MODES}
             print(f"process {i + 1}: plugin {got['plugin'][-1]}% lean {got['lean'][-1]}% of raw "
-                  f"({r['consumed']} of {r['verdicts']} lean verdicts consumed)", flush=True)
+                  f"({r['consumed']} of {r['verdicts']} lean verdicts consumed; collections a "
+                  f"step, generations 0/1/2: {gcs})", flush=True)
         print(f"median over {args.processes} processes, % of raw donation's throughput: "
-              f"plugin {statistics.median(got['plugin']):.1f}%, "
-              f"lean design {statistics.median(got['lean']):.1f}%")
+              f"plugin {C.median(got['plugin']):.1f}%, "
+              f"lean design {C.median(got['lean']):.1f}%")
         if bad:
             print(f"WRONG: {len(bad)} processes computed another value or left a lean donation "
                   f"unconsumed: {bad}")
