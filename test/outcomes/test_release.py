@@ -114,11 +114,11 @@ def test_a_poisoned_donor_dies_when_the_loop_drops_it(dev, fate):
 def test_a_held_donor_costs_the_collector_no_object_of_the_ledgers(dev, wait):
     """The weak reference that keeps a held donor for its verdict (in
     flight: a step not waited for) is out of the garbage collector's sight,
-    as entries and records are: in a loop
-    holding its old state, the collector then tracks no more objects per
-    donor and step than the poisoning itself makes.  (Tracked, the 400
-    references of ``bench_async.py``'s held loop were scanned by a
-    collection every step and promoted towards full collections.)"""
+    as entries and records are: in a loop holding its old state, the
+    collector then tracks no more objects per donor and step than the
+    poisoning itself makes.  (Tracked, the 400 references of
+    ``bench_async.py``'s held loop were scanned by a collection every step
+    and promoted towards full collections.)"""
     import gc
 
     from torch_xla_donate._outcomes import verdicts
