@@ -301,6 +301,30 @@ const HeldBuffer* EntryBuffer(PyObject* entry) {
   return e->buffer_on_record ? static_cast<const HeldBuffer*>(RecordOf(e).held.get()) : nullptr;
 }
 
+void PrefetchEntries(PyObject* list) {
+  const Py_ssize_t n = PyList_GET_SIZE(list);
+  PyObject** items = PySequence_Fast_ITEMS(list);
+  auto entry = [&](Py_ssize_t i) {
+    PyObject* o = items[i];
+    return Py_TYPE(o) == g_entry_type ? reinterpret_cast<PyEntry*>(o) : nullptr;
+  };
+  for (Py_ssize_t i = 0; i < n; ++i) __builtin_prefetch(items[i]);
+  for (Py_ssize_t i = 0; i < n; ++i)
+    if (PyEntry* e = entry(i)) __builtin_prefetch(e->record);
+  for (Py_ssize_t i = 0; i < n; ++i)
+    if (PyEntry* e = entry(i)) {
+      const Record* r = Unwrap(e->record).get();
+      __builtin_prefetch(r);
+      __builtin_prefetch(&r->held);
+    }
+  for (Py_ssize_t i = 0; i < n; ++i)
+    if (PyEntry* e = entry(i); e && e->buffer_on_record) __builtin_prefetch(RecordOf(e).held.get());
+  for (Py_ssize_t i = 0; i < n; ++i)
+    if (PyEntry* e = entry(i); e && e->buffer_on_record)
+      if (const void* held = RecordOf(e).held.get())
+        PrefetchHeldBuffer(static_cast<const HeldBuffer*>(held));
+}
+
 bool EntryParts(PyObject* o, PyObject** tensor, PyObject** record) {
   if (Py_TYPE(o) == g_entry_type) {
     *tensor = reinterpret_cast<PyEntry*>(o)->tensor;

@@ -47,6 +47,14 @@ bool WeakenEntryTensor(PyObject* entry, HeldBuffer* buffer);
 // The buffer a released or weakened Entry keeps, or nullptr (a tuple, an
 // entry holding its tensor, one whose verdict is in).
 const HeldBuffer* EntryBuffer(PyObject* entry);
+// Before a pass over many entries no code has touched since the last step
+// (a barrier's settle): starts loading, level by level for all of them at
+// once, what EntryBuffer and a verdict read (the Entry, its Record, the
+// Record's struct, the held buffer and its BackendData).  Each level's
+// addresses come from the one before, so a pass that reads entry by entry
+// waits for each miss in turn; here the misses of all entries overlap.
+// Reads only what it prefetched one level before; changes nothing.
+void PrefetchEntries(PyObject* list);
 
 // A new reference to the `_C.Verdict` member for `v`.
 PyObject* VerdictObject(Verdict v);

@@ -177,8 +177,17 @@ int HasPendingIr(PyObject* t) {
   return ok ? flags[0] : -1;
 }
 
+void PrefetchTensors(PyObject* const* items, Py_ssize_t n) {
+  if (!LazyReadsEnabled()) return;
+  for (Py_ssize_t i = 0; i < n; ++i) __builtin_prefetch(items[i]);
+  std::vector<uintptr_t> impls(n, 0);
+  for (Py_ssize_t i = 0; i < n; ++i) impls[i] = ImplAddress(items[i]);
+  PrefetchLazy(impls);
+}
+
 bool PendingFlags(PyObject* list, std::vector<char>* out) {
   const Py_ssize_t n = PyList_GET_SIZE(list);
+  PrefetchTensors(PySequence_Fast_ITEMS(list), n);
   out->assign(n, 0);
   std::vector<Py_ssize_t> asked;  // where the reads declined
   for (Py_ssize_t i = 0; i < n; ++i) {

@@ -88,6 +88,12 @@ int HeldByAutograd(PyObject* t, const TensorFacts& facts);
 // Never fails.
 bool ReadLazy(PyObject* t, LazyFacts* facts);
 
+// Before a pass over `n` tensors no code has touched for a while: starts
+// loading, level by level for all of them at once, the Python objects, then
+// what the native reads read behind them (lazy_reads.h PrefetchLazy).
+// Items that are no tensors are skipped; changes nothing.
+void PrefetchTensors(PyObject* const* items, Py_ssize_t n);
+
 // torch_xla, read in place (ReadLazy) or through the bound callables.
 // 1 / 0, -1 on error.
 int IsView(PyObject* t);  // torch's `t._is_view()`, not torch_xla's

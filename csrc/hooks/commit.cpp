@@ -30,6 +30,21 @@ void AppendEntry(py::list& out, PyObject* t, PyObject* rec) {
   Check(appended == 0);
 }
 
+// The tensors of `entries` (a list), prefetched (tensor_access.h
+// PrefetchTensors): the Entry objects first, then what they hold.
+void PrefetchEntryTensors(PyObject* entries) {
+  const Py_ssize_t n = PyList_GET_SIZE(entries);
+  PyObject** items = PySequence_Fast_ITEMS(entries);
+  for (Py_ssize_t i = 0; i < n; ++i) __builtin_prefetch(items[i]);
+  std::vector<PyObject*> tensors;
+  tensors.reserve(n);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject *t, *rec;
+    if (EntryParts(items[i], &t, &rec) && t != Py_None) tensors.push_back(t);
+  }
+  PrefetchTensors(tensors.data(), static_cast<Py_ssize_t>(tensors.size()));
+}
+
 // Splits a committed step (`tensors`, `records`, with `pending`: which ones
 // hold pending IR) into donors and the ones whose holders must be looked at:
 //  * pending, or its version counter moved: updated in place after marking,
@@ -205,6 +220,7 @@ size_t ReleaseUnheld(py::list donors) {
 py::list DisarmAndPoison(py::list donors, bool release) {
   RequireBound();
   py::list failed;
+  PrefetchEntryTensors(donors.ptr());
   for (size_t i = 0, n = donors.size(); i < n; ++i) {
     PyObject* entry = PyList_GET_ITEM(donors.ptr(), i);
     PyObject* rec;
@@ -243,6 +259,7 @@ const HeldBuffer* LiveHeldBuffer(PyObject* item) {
 // armed.  Reads only the buffers: nothing when every one was consumed.
 py::list LiveHeld(py::list items) {
   py::list live;
+  PrefetchEntries(items.ptr());
   for (size_t i = 0, n = items.size(); i < n; ++i) {
     PyObject* item = PyList_GET_ITEM(items.ptr(), i);
     if (LiveHeldBuffer(item)) Check(PyList_Append(live.ptr(), item) == 0);
@@ -279,6 +296,7 @@ py::object EntryConsumed(py::handle entry) {
 py::tuple SettleEntries(py::list entries, bool certain) {
   RequireBound();
   py::list unknown, unused;
+  PrefetchEntries(entries.ptr());
   for (size_t i = 0, n = entries.size(); i < n; ++i) {
     PyObject* entry = PyList_GET_ITEM(entries.ptr(), i);
     PyObject* rec;

@@ -33,6 +33,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace torch_xla_donate {
 
@@ -82,6 +83,17 @@ bool LearnXlaTensorType(uintptr_t impl, std::string* why);
 // Independent of SetLazyReadsEnabled: the self-test reads before enabling.
 bool ReadLazyFacts(uintptr_t impl, LazyFacts* out);
 
+// Before a pass over many tensors no code has touched for a while (the
+// commit's first read of its donors, the poisoning after the barrier):
+// starts loading, level by level for all of them at once, what
+// ReadLazyFacts and TakeBuffer read behind each TensorImpl address in
+// `impls` (0: skipped): the wrapper, the XLATensorImpl, the XLATensor, its
+// Data, IR node and buffer.  A pass that reads tensor by tensor waits for
+// each level's miss in turn; here the misses of all tensors overlap.
+// Reads only what it prefetched one level before, checks types as
+// ReadLazyFacts does, changes nothing; a no-op until the type is learned.
+void PrefetchLazy(const std::vector<uintptr_t>& impls);
+
 // A donor's buffer, held without its tensor (hooks/commit.cpp releases a
 // donor nobody else refers to at the commit and keeps only this for its
 // verdict): a heap copy of the tensor's torch::lazy::BackendDataPtr, the
@@ -93,6 +105,9 @@ HeldBuffer* TakeBuffer(uintptr_t impl);
 // `_is_placecholder` of the held buffer: it holds no value (consumed).
 bool HeldBufferConsumed(const HeldBuffer* buffer);
 void DropBuffer(HeldBuffer* buffer);
+// Asks the CPU to start loading the held BackendData (py_types.h
+// PrefetchEntries); reads nothing but the HeldBuffer itself.
+void PrefetchHeldBuffer(const HeldBuffer* buffer);
 // The donor flag of the held buffer, set or cleared through the XLA tensor
 // `carrier` (lazy_tensor_of.h SetDonationThroughCarrier, same answers): a
 // released donor has no tensor of its own.

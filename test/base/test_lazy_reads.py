@@ -379,3 +379,17 @@ def test_the_hot_paths_answers_are_torch_xlas_on_both_paths(reads_path, state, d
     assert _C.pending_flags([t, torch.ones(2), t]) == [got[1], False, got[1]]
     assert got == (X._xla_get_tensor_id(t), X._check_tensor_need_materialization([t])[0],
                    X._is_placecholder(t))
+
+
+def test_a_pass_over_many_tensors_answers_as_for_each_alone(reads_path, dev):
+    """The commit's passes prefetch, level by level for all their tensors
+    at once, what the native reads will read (lazy_reads.h PrefetchLazy),
+    stepping over whatever those reads decline.  A list that mixes every
+    state with CPU tensors, a wrapper subclass and a stale view gets, tensor
+    by tensor, the answers each gets alone: torch_xla's own for XLA tensors."""
+    tensors = [STATES[s](dev)[0] for s in sorted(STATES)]
+    tensors += [torch.ones(3), Wrapper(torch.ones(3)), _stale_view(dev)]
+    alone = [_C.pending_flags([t])[0] for t in tensors]
+    assert _C.pending_flags(tensors) == alone
+    assert alone[:len(STATES)] == [X._check_tensor_need_materialization([t])[0]
+                                   for t in tensors[:len(STATES)]]
