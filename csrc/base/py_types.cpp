@@ -308,6 +308,12 @@ void PrefetchEntries(PyObject* list) {
     PyObject* o = items[i];
     return Py_TYPE(o) == g_entry_type ? reinterpret_cast<PyEntry*>(o) : nullptr;
   };
+  auto held = [&](Py_ssize_t i) -> const void* {
+    PyEntry* e = entry(i);
+    return e && e->buffer_on_record ? RecordOf(e).held.get() : nullptr;
+  };
+  // Level by level over the whole list: a level's first loads have arrived
+  // by the time the next level reads them.
   for (Py_ssize_t i = 0; i < n; ++i) __builtin_prefetch(items[i]);
   for (Py_ssize_t i = 0; i < n; ++i)
     if (PyEntry* e = entry(i)) __builtin_prefetch(e->record);
@@ -318,11 +324,9 @@ void PrefetchEntries(PyObject* list) {
       __builtin_prefetch(&r->held);
     }
   for (Py_ssize_t i = 0; i < n; ++i)
-    if (PyEntry* e = entry(i); e && e->buffer_on_record) __builtin_prefetch(RecordOf(e).held.get());
+    if (const void* b = held(i)) __builtin_prefetch(b);
   for (Py_ssize_t i = 0; i < n; ++i)
-    if (PyEntry* e = entry(i); e && e->buffer_on_record)
-      if (const void* held = RecordOf(e).held.get())
-        PrefetchHeldBuffer(static_cast<const HeldBuffer*>(held));
+    if (const void* b = held(i)) PrefetchHeldBuffer(static_cast<const HeldBuffer*>(b));
 }
 
 bool EntryParts(PyObject* o, PyObject** tensor, PyObject** record) {

@@ -3,6 +3,7 @@
 
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
 #include <unordered_map>
 
 #include "base/py_types.h"
@@ -179,10 +180,13 @@ int HasPendingIr(PyObject* t) {
 
 void PrefetchTensors(PyObject* const* items, Py_ssize_t n) {
   if (!LazyReadsEnabled()) return;
-  for (Py_ssize_t i = 0; i < n; ++i) __builtin_prefetch(items[i]);
-  std::vector<uintptr_t> impls(n, 0);
-  for (Py_ssize_t i = 0; i < n; ++i) impls[i] = ImplAddress(items[i]);
-  PrefetchLazy(impls);
+  for (Py_ssize_t first = 0; first < n; first += kPrefetchGroup) {
+    const size_t group = std::min<size_t>(kPrefetchGroup, n - first);
+    uintptr_t impls[kPrefetchGroup];
+    for (size_t i = 0; i < group; ++i) __builtin_prefetch(items[first + i]);
+    for (size_t i = 0; i < group; ++i) impls[i] = ImplAddress(items[first + i]);
+    PrefetchLazy(impls, group);
+  }
 }
 
 bool PendingFlags(PyObject* list, std::vector<char>* out) {

@@ -3,6 +3,7 @@
 
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "base/ledger.h"
@@ -35,14 +36,17 @@ void AppendEntry(py::list& out, PyObject* t, PyObject* rec) {
 void PrefetchEntryTensors(PyObject* entries) {
   const Py_ssize_t n = PyList_GET_SIZE(entries);
   PyObject** items = PySequence_Fast_ITEMS(entries);
-  for (Py_ssize_t i = 0; i < n; ++i) __builtin_prefetch(items[i]);
-  std::vector<PyObject*> tensors;
-  tensors.reserve(n);
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject *t, *rec;
-    if (EntryParts(items[i], &t, &rec) && t != Py_None) tensors.push_back(t);
+  for (Py_ssize_t first = 0; first < n; first += kPrefetchGroup) {
+    const Py_ssize_t end = std::min<Py_ssize_t>(n, first + kPrefetchGroup);
+    PyObject* tensors[kPrefetchGroup];
+    Py_ssize_t count = 0;
+    for (Py_ssize_t i = first; i < end; ++i) __builtin_prefetch(items[i]);
+    for (Py_ssize_t i = first; i < end; ++i) {
+      PyObject *t, *rec;
+      if (EntryParts(items[i], &t, &rec) && t != Py_None) tensors[count++] = t;
+    }
+    PrefetchTensors(tensors, count);
   }
-  PrefetchTensors(tensors.data(), static_cast<Py_ssize_t>(tensors.size()));
 }
 
 // Splits a committed step (`tensors`, `records`, with `pending`: which ones

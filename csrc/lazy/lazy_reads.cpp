@@ -16,6 +16,7 @@
 #include <torch/csrc/lazy/core/lazy_graph_executor.h>
 #include <torch/csrc/lazy/core/tensor.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <cstdlib>
@@ -204,51 +205,46 @@ void PrefetchBytes(const void* p, size_t bytes) {
     __builtin_prefetch(static_cast<const char*>(p) + off);
 }
 
-// PrefetchLazy's levels, each from the one prefetched before.
-void PrefetchLevels(const std::vector<uintptr_t>& impls, const void* xla_vtable) {
-  const size_t n = impls.size();
-  std::vector<const void*> level(n, nullptr);
+// PrefetchLazy's levels for one group of `n` <= kPrefetchGroup tensors,
+// each level from the one prefetched before.
+void PrefetchLevels(const uintptr_t* impls, size_t n, const void* xla_vtable) {
+  const void* level[kPrefetchGroup];
   for (size_t i = 0; i < n; ++i)
     if (impls[i]) PrefetchBytes(reinterpret_cast<const void*>(impls[i]), sizeof(c10::TensorImpl));
   for (size_t i = 0; i < n; ++i) {  // the wrapper's value, or the impl itself
-    if (!impls[i]) continue;
     auto* impl = reinterpret_cast<c10::TensorImpl*>(impls[i]);
-    if (impl->key_set().has(c10::DispatchKey::Functionalize)) {
-      auto* wrapper = static_cast<at::FunctionalTensorWrapper*>(impl);
-      impl = wrapper->value().unsafeGetTensorImpl();
+    if (impl && impl->key_set().has(c10::DispatchKey::Functionalize)) {
+      impl = static_cast<at::FunctionalTensorWrapper*>(impl)->value().unsafeGetTensorImpl();
       PrefetchBytes(impl, kXlaTensorOffset + sizeof(void*));
     }
     level[i] = impl;
   }
   for (size_t i = 0; i < n; ++i) {  // the XLATensor
-    auto* impl = static_cast<const c10::TensorImpl*>(level[i]);
-    if (impl == nullptr || VtableOf(impl) != xla_vtable) {
-      level[i] = nullptr;
-      continue;
-    }
-    level[i] = *reinterpret_cast<LazyTensor* const*>(reinterpret_cast<const char*>(impl) +
-                                                     kXlaTensorOffset);
+    const void* impl = level[i];
+    level[i] = impl == nullptr || VtableOf(impl) != xla_vtable
+                   ? nullptr
+                   : *reinterpret_cast<LazyTensor* const*>(static_cast<const char*>(impl) +
+                                                           kXlaTensorOffset);
     if (level[i]) PrefetchBytes(level[i], sizeof(LazyTensor));
   }
   for (size_t i = 0; i < n; ++i) {  // its Data
-    if (!level[i]) continue;
-    level[i] = static_cast<const LazyTensor*>(level[i])->data().get();
+    if (level[i]) level[i] = static_cast<const LazyTensor*>(level[i])->data().get();
     if (level[i]) PrefetchBytes(level[i], sizeof(LazyTensor::Data));
   }
   for (size_t i = 0; i < n; ++i) {  // the IR node and the buffer
-    if (!level[i]) continue;
     const auto* data = static_cast<const LazyTensor::Data*>(level[i]);
-    if (data->ir_value.node) __builtin_prefetch(data->ir_value.node.get());
-    if (data->handle) __builtin_prefetch(data->handle.get());
+    if (data && data->ir_value.node) __builtin_prefetch(data->ir_value.node.get());
+    if (data && data->handle) __builtin_prefetch(data->handle.get());
   }
 }
 }  // namespace
 
-void PrefetchLazy(const std::vector<uintptr_t>& impls) {
+void PrefetchLazy(const uintptr_t* impls, size_t n) {
   const void* xla_vtable = g_xla_impl_vtable.load(std::memory_order_acquire);
   if (xla_vtable == nullptr) return;
   try {
-    PrefetchLevels(impls, xla_vtable);
+    for (size_t first = 0; first < n; first += kPrefetchGroup)
+      PrefetchLevels(impls + first, std::min(kPrefetchGroup, n - first), xla_vtable);
   } catch (...) {
     // LazyTensor::data() refuses a null Data: a hint less, nothing else.
   }

@@ -31,9 +31,9 @@
 
 #include <Python.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
-#include <vector>
 
 namespace torch_xla_donate {
 
@@ -92,7 +92,11 @@ bool ReadLazyFacts(uintptr_t impl, LazyFacts* out);
 // each level's miss in turn; here the misses of all tensors overlap.
 // Reads only what it prefetched one level before, checks types as
 // ReadLazyFacts does, changes nothing; a no-op until the type is learned.
-void PrefetchLazy(const std::vector<uintptr_t>& impls);
+// Works in groups of kPrefetchGroup, allocating nothing: a level of a group
+// takes about as long as a miss, so its first loads have arrived by the
+// time the next level reads them.
+constexpr size_t kPrefetchGroup = 128;
+void PrefetchLazy(const uintptr_t* impls, size_t n);
 
 // A donor's buffer, held without its tensor (hooks/commit.cpp releases a
 // donor nobody else refers to at the commit and keeps only this for its
