@@ -100,12 +100,21 @@ bool ForEachLiveTensor(const std::function<void(const LiveTensor&)>& visit) {
   std::vector<std::shared_ptr<LazyTensor::Data>> alive;
   ArenaAccess::ForAll(reinterpret_cast<Arena*>(arena), [&](ArenaAccess::DeviceContext* ctx) {
     std::lock_guard<std::mutex> lock(ctx->lock);
-    alive.reserve(alive.size() + ctx->tensors_data.size());
-    LiveTensor live;
+    const size_t first = alive.size();
+    alive.reserve(first + ctx->tensors_data.size());
+    // Three passes, so that the loads of all tensors overlap rather than
+    // wait for each other (lazy_reads.h PrefetchLazy): each Data, then its
+    // IR node, then the reads.
     for (auto& entry : ctx->tensors_data) {
       alive.push_back(entry.second.lock());
-      if (!alive.back()) continue;
-      Describe(*alive.back(), &live);
+      if (alive.back()) __builtin_prefetch(alive.back().get());
+    }
+    for (size_t i = first; i < alive.size(); ++i)
+      if (alive[i] && alive[i]->ir_value.node) __builtin_prefetch(alive[i]->ir_value.node.get());
+    LiveTensor live;
+    for (size_t i = first; i < alive.size(); ++i) {
+      if (!alive[i]) continue;
+      Describe(*alive[i], &live);
       visit(live);
     }
   });
