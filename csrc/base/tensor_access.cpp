@@ -186,6 +186,8 @@ void PrefetchTensors(PyObject* const* items, Py_ssize_t n) {
     for (size_t i = 0; i < group; ++i) __builtin_prefetch(items[first + i]);
     for (size_t i = 0; i < group; ++i) impls[i] = ImplAddress(items[first + i]);
     PrefetchLazy(impls, group);
+    for (size_t i = 0; i < group; ++i)
+      if (impls[i]) PrefetchTensorFacts(impls[i]);
   }
 }
 

@@ -47,6 +47,16 @@ uintptr_t StorageAddress(uintptr_t address) {
   return storage ? reinterpret_cast<uintptr_t>(storage.unsafeGetStorageImpl()) : 0;
 }
 
+void PrefetchTensorFacts(uintptr_t address) {
+  auto* impl = reinterpret_cast<c10::TensorImpl*>(address);
+  const c10::Storage& storage = impl->unsafe_storage();
+  if (storage) __builtin_prefetch(storage.unsafeGetStorageImpl());
+  // torch's header: a VariableVersion is its counter's intrusive_ptr alone
+  // (null for an inference tensor: a prefetch of null is harmless).
+  static_assert(sizeof(c10::VariableVersion) == sizeof(void*), "VariableVersion changed");
+  __builtin_prefetch(*reinterpret_cast<void* const*>(&impl->version_counter()));
+}
+
 bool PyObjectOwnedByTensor(uintptr_t address) {
   auto* impl = reinterpret_cast<c10::TensorImpl*>(address);
   return impl->pyobj_slot()->owns_pyobj();

@@ -48,6 +48,11 @@ bool ReadTensorFacts(uintptr_t impl, TensorFacts* out, bool with_sizes = true);
 // when these are equal.
 uintptr_t StorageAddress(uintptr_t impl);
 
+// Starts loading the two objects ReadTensorFacts reads beside the TensorImpl
+// at `impl`, its storage and its version counter, once the impl itself has
+// been loaded (tensor_access.h PrefetchTensors).  Reads two of its pointers.
+void PrefetchTensorFacts(uintptr_t impl);
+
 // True while the TensorImpl at `impl` owns its Python object: the object's
 // last Python reference is gone and C++ (an autograd graph) keeps the
 // tensor alive.  Code that finds such an object without torch's help (the
