@@ -7,6 +7,8 @@
 #include <new>
 #include <string>
 
+#include "base/prefetch.h"
+
 namespace py = pybind11;
 
 namespace torch_xla_donate {
@@ -319,9 +321,7 @@ void PrefetchEntries(PyObject* list) {
     if (PyEntry* e = entry(i)) __builtin_prefetch(e->record);
   for (Py_ssize_t i = 0; i < n; ++i)
     if (PyEntry* e = entry(i)) {
-      const Record* r = Unwrap(e->record).get();
-      __builtin_prefetch(r);
-      __builtin_prefetch(&r->held);
+      PrefetchBytes(Unwrap(e->record).get(), sizeof(Record));
     }
   for (Py_ssize_t i = 0; i < n; ++i)
     if (const void* b = held(i)) __builtin_prefetch(b);

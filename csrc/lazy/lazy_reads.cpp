@@ -23,6 +23,7 @@
 #include <exception>
 #include <typeinfo>
 
+#include "base/prefetch.h"
 #include "base/tensor_access.h"
 #include "lazy/lazy_tensor_of.h"
 
@@ -200,22 +201,22 @@ bool HeldBufferConsumed(const HeldBuffer* buffer) { return !buffer->data->HasVal
 void DropBuffer(HeldBuffer* buffer) { delete buffer; }
 
 namespace {
-void PrefetchBytes(const void* p, size_t bytes) {
-  for (size_t off = 0; off < bytes; off += 64)
-    __builtin_prefetch(static_cast<const char*>(p) + off);
-}
+// A TensorImpl and the first member after it: the functional wrapper's
+// value and the XLATensorImpl's XLATensorPtr both sit there, and the next
+// level reads them.
+constexpr size_t kImplBytes = kXlaTensorOffset + sizeof(void*);
 
 // PrefetchLazy's levels for one group of `n` <= kPrefetchGroup tensors,
 // each level from the one prefetched before.
 void PrefetchLevels(const uintptr_t* impls, size_t n, const void* xla_vtable) {
   const void* level[kPrefetchGroup];
   for (size_t i = 0; i < n; ++i)
-    if (impls[i]) PrefetchBytes(reinterpret_cast<const void*>(impls[i]), sizeof(c10::TensorImpl));
+    if (impls[i]) PrefetchBytes(reinterpret_cast<const void*>(impls[i]), kImplBytes);
   for (size_t i = 0; i < n; ++i) {  // the wrapper's value, or the impl itself
     auto* impl = reinterpret_cast<c10::TensorImpl*>(impls[i]);
     if (impl && impl->key_set().has(c10::DispatchKey::Functionalize)) {
       impl = static_cast<at::FunctionalTensorWrapper*>(impl)->value().unsafeGetTensorImpl();
-      PrefetchBytes(impl, kXlaTensorOffset + sizeof(void*));
+      PrefetchBytes(impl, kImplBytes);
     }
     level[i] = impl;
   }

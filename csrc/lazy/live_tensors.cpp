@@ -18,6 +18,7 @@
 #include <typeinfo>
 #include <utility>
 
+#include "base/prefetch.h"
 #include "base/tensor_access.h"
 #include "lazy/lazy_tensor_of.h"
 
@@ -107,7 +108,7 @@ bool ForEachLiveTensor(const std::function<void(const LiveTensor&)>& visit) {
     // IR node, then the reads.
     for (auto& entry : ctx->tensors_data) {
       alive.push_back(entry.second.lock());
-      if (alive.back()) __builtin_prefetch(alive.back().get());
+      if (alive.back()) PrefetchBytes(alive.back().get(), sizeof(LazyTensor::Data));
     }
     for (size_t i = first; i < alive.size(); ++i)
       if (alive[i] && alive[i]->ir_value.node) __builtin_prefetch(alive[i]->ir_value.node.get());
