@@ -32,7 +32,12 @@ bool ReadTensorFacts(uintptr_t address, TensorFacts* out, bool with_sizes) {
         impl->is_inference() ? -1 : static_cast<int64_t>(impl->version_counter().current_version());
     out->sizes.clear();
     if (with_sizes && !out->symbolic_sizes) {
-      c10::IntArrayRef sizes = impl->sizes();  // XLA: its own override
+      // XLA: its own override, which rebuilds the sizes from torch_xla's
+      // shape after every step (about 1.6k instructions).  Not the
+      // functional wrapper's own fields instead: `t.resize_(2, 8)` on a
+      // [4, 4] tensor leaves them at [4, 4] (test_marking_twins.py,
+      // "resized in place, as many elements").
+      c10::IntArrayRef sizes = impl->sizes();
       out->sizes.assign(sizes.begin(), sizes.end());
     }
     return true;

@@ -63,6 +63,40 @@ def test_a_donor_that_is_itself_a_copy_finds_its_source(walk):
     assert arena.same_step_copies([walk, c]) == {}
 
 
+# An older tensor (one that got its own buffer at the last barrier) becomes a
+# copy of a donor in the donating step: ``x.copy_(t)`` keeps x's XLA tensor
+# and its id, with functionalization too, so the walk cannot skip the tensors
+# older than the step (a narrower walk, tried on 2026-11-27, destroyed x).
+_OLDER_COPY = """
+import warnings, torch, torch_xla
+import torch_xla_donate as tdx
+from torch_xla_donate._base import reads
+dev = torch_xla.device()
+t = torch.arange(16.0).to(dev) + 1
+x = torch.zeros(16).to(dev)
+torch_xla.sync()
+value = t.cpu()
+print("FUNCTIONAL:", torch._is_functional_tensor(t))
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    x.copy_(t)  # x: an older tensor whose value is now t's buffer
+    tdx.donate_buffer(t)
+    t2 = t * 2
+    torch_xla.sync()
+    tdx.settle()
+dropped = [w for w in caught if issubclass(w.category, tdx.DroppedDonationWarning)]
+print("KEPT:", torch.equal(x.cpu(), value), len(dropped))
+"""
+
+
+@pytest.mark.parametrize("functionalization", ["on", "off"])
+def test_a_copy_into_an_older_tensor_is_found(functionalization):
+    env = {"XLA_DISABLE_FUNCTIONALIZATION": "1"} if functionalization == "off" else None
+    out = run_python(_OLDER_COPY, env=env).stdout
+    assert f"FUNCTIONAL: {functionalization == 'on'}" in out
+    assert "KEPT: True 1" in out, out
+
+
 def test_after_the_barrier_a_copy_holds_a_buffer_of_its_own_kind(walk):
     c = walk.to(walk.device, copy=True)
     torch_xla.sync()
