@@ -20,6 +20,7 @@ BENCHMARKS = {
     "memory": ("bench_memory.py", [], ["--steps", "3", "--decode-steps", "5"]),
     "overhead": ("bench_overhead.py", [], ["--rounds", "4"]),
     "async": ("bench_async.py", [], ["--repeats", "1", "--windows", "3"]),
+    "segments": ("bench_segments.py", [], ["--repeats", "1", "--rounds", "4"]),
     "compiles": ("bench_compiles.py", [], ["--steps", "10"]),
     "sharing": ("bench_sharing.py", [], ["--rounds", "3"]),
     "sharing_slices": ("bench_sharing.py", ["--slices"], ["--slices"]),
