@@ -321,6 +321,17 @@ def _copied_in_the_step(kind, after_marking):
     return make
 
 
+def _copied_into_an_older_tensor(p):
+    """``x.copy_(p)`` in the donating step into an ``x`` that got its buffer
+    at an earlier barrier: x keeps its XLA tensor and id (functionalization
+    or not), and its IR value is now p's device data."""
+    x = _tensor(torch.zeros(N, N), p.device)
+    torch_xla.sync()
+    value = p.cpu()
+    x.copy_(p)
+    return p, lambda: torch.equal(x.cpu(), value)
+
+
 # Under SPMD a copy into another tensor (copy_, x[...] = t, load_state_dict)
 # is an xla::custom_sharding op, computed into a buffer of its own: it holds
 # nothing (raw donation keeps its value), so it is no holder there.
@@ -335,6 +346,7 @@ HOLDERS = {
     "copy held by autograd": lambda p: _held_by_autograd(p, None),
     **{f"{kind} in the step, {when} marking": _copied_in_the_step(kind, when == "after")
        for kind in _COPY_KINDS for when in ("before", "after")},
+    **({} if SPMD else {"copy_ into an older tensor": _copied_into_an_older_tensor}),
 }
 # Holders only C++ keeps: the _XLAC path's Python search cannot see them.
 CPP_ONLY = {"copy held by autograd"}
