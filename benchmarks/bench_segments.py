@@ -31,8 +31,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
+import bench_async  # noqa: E402
 
-COUNT, NUMEL = 400, 16 * 1024
+# bench_async.py's host-bound workload, measured in both of its loops.
+COUNT, NUMEL, _ = bench_async.WORKLOADS["400 x 64 KiB (host-bound)"]
 MODES = ["raw", "donate_buffer"]
 SEGMENTS = ["mark", "trace", "barrier", "after", "step"]
 LOOPS = {"held": 1, "rebound": 0}  # whether the old state is held through the barrier
@@ -55,9 +57,11 @@ def child(hold: int, rounds: int, probe: int) -> dict:
     set_donation = torch_xla._XLAC._set_buffer_donation
     clock = time.thread_time_ns
     spent = {m: {s: [] for s in SEGMENTS} for m in MODES}
+    taken = 0
 
     def step(mode, sums):
-        nonlocal state
+        nonlocal state, taken
+        taken += 1
         t0 = clock()
         if mode == "raw":
             for p in state:
@@ -91,6 +95,10 @@ def child(hold: int, rounds: int, probe: int) -> dict:
                 step(mode, sums)
             for name in SEGMENTS:
                 spent[mode][name].append(sums[name] / STEPS / 1e3)  # µs a step
+    torch_xla.sync()
+    value, expected = float(state[0][0].cpu()), bench_async.closed_form(taken)
+    if abs(value - expected) > 1e-4:  # every mode computes the same update
+        raise SystemExit(f"bench_segments: the state reads {value}, not {expected}")
     return {m: {s: statistics.median(v) for s, v in segs.items()} for m, segs in spent.items()}
 
 
