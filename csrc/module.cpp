@@ -30,6 +30,7 @@
 #include "base/tensor_facts.h"
 #include "base/variable.h"
 #include "hooks/commit.h"
+#include "hooks/commit_fast.h"
 #include "hooks/trampoline.h"
 #include "lazy/lazy_bindings.h"
 #include "lazy/live_tensors.h"
@@ -119,6 +120,7 @@ PYBIND11_MODULE(_C, m) {
   RegisterPyTypes(m.ptr());
   RegisterMarking(m.ptr());
   RegisterCommit(m.ptr());
+  RegisterCommitFast(m.ptr());
   RegisterOwnership(m.ptr());
   RegisterTrampoline(m.ptr());
   RegisterLazyReads(m.ptr());

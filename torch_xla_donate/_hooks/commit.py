@@ -57,6 +57,18 @@ Both executions that take marks run the same stages, one function each
    donations (failures.py): STEP_FAILED, values kept.  A step's ending is
    written there, and nowhere else.
 
+One pass for the common step
+----------------------------
+A step barrier whose donors are all plain (materialized, not updated since
+marking, no view, alias, autograd graph, copy or other holder of their
+buffer) runs stages 1 to 3 as one native pass (``C.commit_fast``,
+csrc/hooks/commit_fast.h): each donor's facts read once, the walk for
+copies made in the step, the flags armed.  Any donor that is not plain, or
+a flag torch_xla refuses, and the pass has changed nothing but begun the
+step: ``decide`` and ``arm`` then run as above and give their reasons.  A
+compiled call, several devices, a switch that refuses every donor, or the
+walk not in use always take the stages.
+
 Around the real barrier
 -----------------------
 ``barrier_before`` runs begin, decide and arm for the barrier's device;
@@ -75,7 +87,7 @@ donation settled.
 """
 import sys
 
-from .._base import config, fast_path, reads, xla
+from .._base import arena, config, fast_path, reads, xla
 from .._base.errors import DroppedDonationWarning
 from .._base.lock import lock
 from .._base.messages import Notices
@@ -130,12 +142,13 @@ def barrier_before(device="", devices=(), wait=True, reset_scope=True, *, commit
         # No verdict of an earlier step before the real barrier: it may still
         # be dispatching, and a buffer reads as deleted while XLA holds it for
         # a donation it may yet give back (see verdicts.py).
-        step, tensors, records = begin(device=here)
         notices = Notices()
-        try:
-            donors = arm(decide(tensors, records, notices, abandon=abandon), notices)
-        except Exception as error:  # the plugin's own check failed, not the step
-            donors = undecided(tensors, records, error, notices)
+        step, tensors, records, donors = _begin_fast(here, abandon)
+        if donors is None:
+            try:
+                donors = arm(decide(tensors, records, notices, abandon=abandon), notices)
+            except Exception as error:  # the plugin's own check failed, not the step
+                donors = undecided(tensors, records, error, notices)
         del tensors, records  # from here on only the entries refer to them
         token = _Commit(here, step, donors, wait, notices)
         if not abandon:
@@ -150,6 +163,18 @@ def barrier_before(device="", devices=(), wait=True, reset_scope=True, *, commit
     except BaseException:
         lock.release()
         raise
+
+
+def _begin_fast(device, abandon):
+    """``begin`` for a step barrier, with ``decide`` and ``arm`` done in the
+    same native pass when every donor is plain (csrc/hooks/commit_fast.h):
+    (step, tensors, records, armed donors), the donors None when the stages
+    must decide.  The pass needs what ``sharing.screen`` reads natively (the
+    walk in use) and one device; a switch that refuses every donor
+    (DISABLED, STEP_FAILED) is the stages' to apply."""
+    if abandon or not config.enabled() or xla.local_device_count() != 1 or not arena.in_use():
+        return (*begin(device=device), None)
+    return C.commit_fast()
 
 
 def begin(device=None, tensors=None):
