@@ -34,6 +34,7 @@
 #include "hooks/trampoline.h"
 #include "lazy/lazy_bindings.h"
 #include "lazy/live_tensors.h"
+#include "lazy/reaper.h"
 #include "marking/marking.h"
 #include "outcomes/ownership.h"
 #include "outcomes/poison.h"
@@ -125,6 +126,7 @@ PYBIND11_MODULE(_C, m) {
   RegisterTrampoline(m.ptr());
   RegisterLazyReads(m.ptr());
   RegisterLiveTensors(m.ptr());
+  RegisterReaper(m.ptr());
   RegisterDeadInputs(m.ptr());
 
   m.def(

@@ -9,6 +9,7 @@
 #include "base/ledger.h"
 #include "base/py_types.h"
 #include "base/tensor_access.h"
+#include "lazy/reaper.h"
 #include "outcomes/poison.h"
 
 namespace py = pybind11;
@@ -316,6 +317,7 @@ py::tuple SettleEntries(py::list entries, bool certain) {
       Check(PyList_Append((certain ? unused : unknown).ptr(), entry) == 0);
     }
   }
+  ReapHandOver();  // the consumed buffers settled here, freed off this thread
   return py::make_tuple(unknown, unused);
 }
 

@@ -22,7 +22,10 @@ the one writer: it may import every layer), from each owner's
 >>> Verdict.REUSED.name, Via.DONATE_BUFFER.value
 ('REUSED', 0)
 """
+import atexit
+
 import torch
+import torch_xla  # noqa: F401  (its exit handler first: see below)
 
 from .. import _C as C
 from . import compat
@@ -30,6 +33,12 @@ from . import compat
 __all__ = ["C", "Verdict", "Via"]
 
 compat.check_build(C.BUILT_FOR_TORCH, torch.__version__)
+
+# The consumed buffers the native reaper frees off the loop's thread
+# (csrc/lazy/reaper.h): all freed before the interpreter and torch_xla's
+# runtime go, and every later one at once.  Registered after torch_xla's
+# own exit handler (``_prepare_to_exit``, at its import), so run before it.
+atexit.register(C.reaper_drain, True)
 
 Verdict = C.Verdict
 Via = C.Via
