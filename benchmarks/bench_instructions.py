@@ -8,6 +8,11 @@ of a percent run after run, so the cost of each mode can be compared
 exactly and a change to the hot path measured before the timings can see
 it.  Instructions are not time (cache misses and the allocator's locks are
 not in them); ``bench_overhead.py`` and ``bench_async.py`` give the times.
+Each mode is counted twice: every thread of the process, and the loop's
+thread alone, the one a host-bound loop waits for (torch_xla frees a
+donated input's buffer object on the thread that ran the execution; the
+plugin's reaper, csrc/lazy/reaper.h, frees the ones it held on a thread of
+its own).
 
 The loop is ``bench_overhead``'s: N small tensors (f32[16]) replaced each
 step by ``torch._foreach_add(ts, 1.0)``, ``torch_xla.sync(wait=False)``,
@@ -119,8 +124,10 @@ def _helper(tmp: str) -> str:
 
 
 def _count(out_prefix: str) -> int:
-    """Instructions of the dumped part (callgrind writes <prefix>.1 on the dump)."""
-    with open(out_prefix + ".1") as f:
+    """Instructions of the dumped part (callgrind writes <prefix>.1 on the
+    dump, <prefix>.1-01 for the dumping thread with separate threads)."""
+    path = out_prefix + ".1" if not out_prefix.endswith("-01") else out_prefix[:-3] + ".1-01"
+    with open(path) as f:
         for line in f:
             m = re.match(r"totals:\s+(\d+)", line)
             if m:
@@ -128,17 +135,21 @@ def _count(out_prefix: str) -> int:
     raise RuntimeError(f"no totals in {out_prefix}.1")
 
 
-def measure(mode: str, n: int, steps: int, helper: str, tmp: str) -> int:
-    out = os.path.join(tmp, f"cg.{MODES.index(mode)}")
-    cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}",
-           "-q", sys.executable, os.path.abspath(__file__), "--child", mode, "--tensors", str(n),
-           "--steps", str(steps), "--helper", helper]
+def measure(mode: str, n: int, steps: int, helper: str, tmp: str, loop_thread: bool = False) -> int:
+    """Instructions of the counted steps: every thread's, or with
+    ``loop_thread`` those of the thread running the loop alone (callgrind's
+    per-thread dump: the requesting thread's file, ``-01``)."""
+    out = os.path.join(tmp, f"cg.{MODES.index(mode)}{'.loop' if loop_thread else ''}")
+    threads = ["--separate-threads=yes"] if loop_thread else []
+    cmd = ["valgrind", "--tool=callgrind", *threads, "--instr-atstart=no",
+           f"--callgrind-out-file={out}", "-q", sys.executable, os.path.abspath(__file__),
+           "--child", mode, "--tensors", str(n), "--steps", str(steps), "--helper", helper]
     extra = {"TORCH_XLA_DONATE_NATIVE_READS": "0"} if mode.endswith(XLAC_READS) else None
     done = subprocess.run(cmd, env=C.child_env(extra), capture_output=True, text=True,
                           timeout=3600)
     if done.returncode != 0:
         raise RuntimeError(f"{mode}: exit {done.returncode}\n{done.stderr[-3000:]}")
-    return _count(out)
+    return _count(out + ("-01" if loop_thread else ""))
 
 
 def main() -> None:
@@ -157,12 +168,14 @@ def main() -> None:
     n, steps, modes = args.tensors, args.steps, [m for m in MODES if m in args.modes]
     with tempfile.TemporaryDirectory() as tmp:
         helper = _helper(tmp)
-        counts = {}
+        counts, loop = {}, {}
         for mode in modes:
             counts[mode] = measure(mode, n, steps, helper, tmp)
-            print(f"{mode:22s} {counts[mode] / (n * steps):9.0f} instructions per tensor per step",
-                  flush=True)
+            loop[mode] = measure(mode, n, steps, helper, tmp, loop_thread=True)
+            print(f"{mode:22s} {counts[mode] / (n * steps):9.0f} instructions per tensor per step"
+                  f" ({loop[mode] / (n * steps):.0f} on the loop's thread)", flush=True)
     per = {m: counts[m] / (n * steps) for m in modes}
+    per_loop = {m: loop[m] / (n * steps) for m in modes}
     differences = [
         ("floor over raw", "floor", "raw"),
         ("**donate_buffer over the floor**", "donate_buffer", "floor"),
@@ -172,8 +185,11 @@ def main() -> None:
         ("donate_buffer, held, _XLAC reads, over raw, held",
          "donate_buffer, held, _XLAC reads", "raw, held"),
     ]
-    rows = [[name, f"**{per[a] - per[b]:.0f}**" if name.startswith("**") else
-             f"{per[a] - per[b]:.0f}"] for name, a, b in differences if a in per and b in per]
+    def cell(table, a, b, bold):
+        return f"**{table[a] - table[b]:.0f}**" if bold else f"{table[a] - table[b]:.0f}"
+
+    rows = [[name, cell(per, a, b, name.startswith("**")), cell(per_loop, a, b, False)]
+            for name, a, b in differences if a in per and b in per]
     m = C.machine()
     md = "\n".join([
         "## Host instructions per donated tensor per step (callgrind)",
@@ -181,19 +197,22 @@ def main() -> None:
         C.machine_line(m),
         "",
         f"{n} tensors, {steps} steps counted after {WARMUP} warm-up steps, every thread of the "
-        "process; one process per mode.",
+        "process, and the loop's thread alone (torch_xla runs executions, and frees their "
+        "inputs, on threads of its own; the plugin's reaper frees consumed buffers on one); "
+        "two processes per mode.",
         "",
-        C.table(["mode", "instructions per tensor per step"],
-                [[mode, f"{per[mode]:.0f}"] for mode in modes]),
+        C.table(["mode", "instructions per tensor per step", "on the loop's thread"],
+                [[mode, f"{per[mode]:.0f}", f"{per_loop[mode]:.0f}"] for mode in modes]),
         "",
-        C.table(["difference", "instructions per tensor per step"], rows),
+        C.table(["difference", "instructions per tensor per step", "on the loop's thread"],
+                rows),
     ])
     print()
     print(md)
     if modes != MODES:
         return  # a partial run: results/ keeps the last full one
-    C.save("instructions", {"machine": m, "tensors": n, "steps": steps, "per_tensor_step": per},
-           md)
+    C.save("instructions", {"machine": m, "tensors": n, "steps": steps, "per_tensor_step": per,
+                            "per_tensor_step_loop_thread": per_loop}, md)
 
 
 if __name__ == "__main__":
