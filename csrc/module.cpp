@@ -157,21 +157,14 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "begin_step",
       [](py::object only) {
-        std::vector<py::object> tensors;
-        std::vector<RecordPtr> records;
         std::vector<PyObject*> keys;
         if (!only.is_none())
           for (auto t : only) keys.push_back(t.ptr());
-        int64_t step =
-            GlobalLedger().BeginStep(&tensors, &records, only.is_none() ? nullptr : &keys);
-        py::list t(tensors.size()), r(records.size());
-        for (size_t i = 0; i < tensors.size(); ++i) {
-          PyList_SET_ITEM(t.ptr(), i, tensors[i].release().ptr());
-          PyObject* rec = WrapRecord(std::move(records[i]));
-          if (!rec) throw py::error_already_set();
-          PyList_SET_ITEM(r.ptr(), i, rec);
-        }
-        return py::make_tuple(step, t, r);
+        int64_t step;
+        PyObject *tensors, *records;
+        Check(BeginStepLists(only.is_none() ? nullptr : &keys, &step, &tensors, &records));
+        return py::make_tuple(step, py::reinterpret_steal<py::list>(tensors),
+                              py::reinterpret_steal<py::list>(records));
       },
       py::arg("only") = py::none(),
       "Commits the marks (all, or those of the tensors in `only`) to a new "

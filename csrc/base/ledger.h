@@ -76,6 +76,12 @@ struct Record {
   // tensor, donated again, does not count it as another holder.
   std::unique_ptr<void, void (*)(void*)> held{nullptr, nullptr};
 
+  // Updated in place since marking, given the tensor's version counter now
+  // (an output of the step, not a donor).
+  bool UpdatedSinceMarking(int64_t version_now) const {
+    return version >= 0 && version_now != version;
+  }
+
   // "f32[4,4]", the spelling XLA and JAX use in their messages.
   std::string ShapeString() const;
   std::string Where() const { return *file + ":" + std::to_string(line); }

@@ -249,6 +249,28 @@ PyObject* WrapRecord(RecordPtr record) {
   return o;
 }
 
+bool BeginStepLists(const std::vector<PyObject*>* only, int64_t* step, PyObject** tensors,
+                    PyObject** records) {
+  std::vector<py::object> owned;
+  std::vector<RecordPtr> recs;
+  *step = GlobalLedger().BeginStep(&owned, &recs, only);
+  const Py_ssize_t n = static_cast<Py_ssize_t>(owned.size());
+  *tensors = PyList_New(n);
+  *records = *tensors ? PyList_New(n) : nullptr;
+  bool ok = *records != nullptr;
+  for (Py_ssize_t i = 0; ok && i < n; ++i) {
+    PyList_SET_ITEM(*tensors, i, owned[i].release().ptr());
+    PyObject* rec = WrapRecord(std::move(recs[i]));
+    ok = rec != nullptr;
+    if (ok) PyList_SET_ITEM(*records, i, rec);
+  }
+  if (!ok) {  // the lists' empty slots are NULL, which their deallocation skips
+    Py_XDECREF(*tensors);
+    Py_XDECREF(*records);
+  }
+  return ok;
+}
+
 bool IsRecord(PyObject* o) { return Py_TYPE(o) == g_record_type; }
 
 const RecordPtr& Unwrap(PyObject* o) { return reinterpret_cast<PyRecord*>(o)->record; }

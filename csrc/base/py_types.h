@@ -9,6 +9,9 @@
 
 #include <Python.h>
 
+#include <cstdint>
+#include <vector>
+
 #include "base/ledger.h"
 #include "lazy/lazy_reads.h"
 
@@ -25,6 +28,12 @@ bool IsRecord(PyObject* o);
 const RecordPtr& Unwrap(PyObject* o);
 // The record of `o`, or a TypeError (pybind11::type_error) if it is none.
 const RecordPtr& RecordArg(PyObject* o);
+
+// Ledger::BeginStep with its Python faces: the marks (all, or those of the
+// tensors in `only`) committed to a new step, as a list of the tensors and
+// a list of their Records (new references).  False with a Python error.
+bool BeginStepLists(const std::vector<PyObject*>* only, int64_t* step, PyObject** tensors,
+                    PyObject** records);
 
 // A new (tensor, record) Entry, or nullptr with a Python error.
 PyObject* NewEntry(PyObject* tensor, PyObject* record);

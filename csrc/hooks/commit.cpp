@@ -79,7 +79,7 @@ py::tuple SplitCommitted(py::list tensors, py::list records, py::object pending)
     TensorFacts facts;
     const int read = Facts(t, &facts, /*with_sizes=*/false);
     Check(read >= 0);
-    if (read == 1 && record->version >= 0 && facts.version != record->version) {
+    if (read == 1 && record->UpdatedSinceMarking(facts.version)) {
       // Updated in place since marking, and already materialized by a flush
       // that committed nothing (a step block's): its new value is no donor.
       GlobalLedger().Settle(record, Verdict::kUpdatedInPlace);

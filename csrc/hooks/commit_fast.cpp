@@ -26,7 +26,7 @@ namespace {
 bool Plain(PyObject* t, const Record& record, DonorKey* key) {
   TensorFacts facts;
   if (Facts(t, &facts, /*with_sizes=*/false) != 1 || !facts.is_xla) return false;
-  if (record.version >= 0 && facts.version != record.version) return false;  // updated in place
+  if (record.UpdatedSinceMarking(facts.version)) return false;
   if (facts.storage_use_count > 1) return false;   // views or aliases alive
   if (facts.storage_use_count == 0) return false;  // no storage read: ask Python
   if (HeldByAutograd(t, facts) != 0) {
@@ -35,13 +35,13 @@ bool Plain(PyObject* t, const Record& record, DonorKey* key) {
   }
   LazyFacts lazy;
   if (!ReadLazy(t, &lazy) || !lazy.is_functional || !lazy.has_handle || lazy.pending) return false;
-  if (lazy.buffer_use_count > lazy.expected_holders || lazy.xla_tensor_refcount > 1) return false;
+  if (!lazy.only_own_holders()) return false;
   const uintptr_t impl = ImplAddress(t);
   return impl != 0 && DonorKeyOf(impl, key) && key->buffer != 0;
 }
 
 // Clears the flag `SetDonor` set on the first `n` tensors.
-void DisarmFirst(const std::vector<PyObject*>& tensors, size_t n) {
+void DisarmFirst(PyObject* const* tensors, size_t n) {
   for (size_t i = 0; i < n; ++i)
     if (SetDonor(tensors[i], false) < 0) PyErr_Clear();
 }
@@ -57,26 +57,20 @@ void DisarmFirst(const std::vector<PyObject*>& tensors, size_t n) {
 // stages on `tensors` and `records`, as after begin_step.
 py::tuple CommitFast() {
   RequireBound();
-  std::vector<py::object> owned;
-  std::vector<RecordPtr> recs;
-  const int64_t step = GlobalLedger().BeginStep(&owned, &recs, nullptr);
-  const size_t n = owned.size();
-  py::list tensors(n), records(n);
-  std::vector<PyObject*> items(n);
-  for (size_t i = 0; i < n; ++i) {
-    items[i] = owned[i].ptr();
-    PyList_SET_ITEM(tensors.ptr(), static_cast<Py_ssize_t>(i), owned[i].release().ptr());
-    PyObject* rec = WrapRecord(recs[i]);
-    Check(rec != nullptr);
-    PyList_SET_ITEM(records.ptr(), static_cast<Py_ssize_t>(i), rec);
-  }
+  int64_t step;
+  PyObject *tensor_list, *record_list;
+  Check(BeginStepLists(nullptr, &step, &tensor_list, &record_list));
+  py::list tensors = py::reinterpret_steal<py::list>(tensor_list);
+  py::list records = py::reinterpret_steal<py::list>(record_list);
+  const size_t n = tensors.size();
   if (n == 0) return py::make_tuple(step, tensors, records, py::list());  // nothing to decide
+  PyObject** items = PySequence_Fast_ITEMS(tensors.ptr());
   py::object undecided = py::make_tuple(step, tensors, records, py::none());
   if (!LazyReadsEnabled() || LiveTensorArena() == 0) return undecided;
-  PrefetchTensors(items.data(), static_cast<Py_ssize_t>(n));
+  PrefetchTensors(items, static_cast<Py_ssize_t>(n));
   std::vector<DonorKey> keys(n);
   for (size_t i = 0; i < n; ++i)
-    if (!Plain(items[i], *recs[i], &keys[i])) return undecided;
+    if (!Plain(items[i], *Unwrap(PyList_GET_ITEM(records.ptr(), i)), &keys[i])) return undecided;
   std::vector<std::vector<int64_t>> copies;
   bool walked;
   {

@@ -103,7 +103,7 @@ py::object Excess(py::sequence tensors, bool force) {
     // No live buffer (0): a group of its own.
     rows[i] = {f.has_value ? f.buffer : 0, f.expected_holders, f.buffer_use_count,
                f.xla_tensor_refcount};
-    clean = clean && f.buffer_use_count <= f.expected_holders && f.xla_tensor_refcount <= 1;
+    clean = clean && f.only_own_holders();
   }
   py::list over;
   if (clean) return std::move(over);

@@ -69,6 +69,11 @@ struct LazyFacts {
   int64_t handle = 0;    // BackendData::GetHandle() (`_get_tensors_handle`); 0 without value
 
   bool consumed() const { return has_handle && !has_value; }  // `_is_placecholder`
+  // No holder of the buffer, nor owner of the XLA tensor, beyond a clean
+  // tensor's own (the rule lazy_bindings.cpp's lazy_excess judges by).
+  bool only_own_holders() const {
+    return buffer_use_count <= expected_holders && xla_tensor_refcount <= 1;
+  }
 };
 
 // Learns XLATensorImpl's vtable from the tensor whose c10::TensorImpl is at

@@ -62,6 +62,26 @@ def test_a_buffer_that_keeps_its_value_is_freed_at_once(dev):
     assert total.item() == 64.0
 
 
+# The donating loop both subprocess tests run: n tensors, the old state let
+# go each step, the verdicts of the last steps still open at the end.
+_LOOP = """
+import torch, torch_xla
+import torch_xla_donate as tdx
+from torch_xla_donate._base.native import C
+
+def loop(n, steps=3):
+    dev = torch_xla.device()
+    state = [torch.ones(16, device=dev) * i for i in range(n)]
+    torch_xla.sync()
+    for _ in range(steps):
+        for p in state:
+            tdx.donate_buffer(p)
+        state = [p + 1 for p in state]
+        torch_xla.sync(wait=False)
+    return state
+"""
+
+
 def test_exit_frees_what_is_queued_and_stops_the_reaper():
     # An exit handler registered before the package's runs after its drain.
     proc = run_python(textwrap.dedent("""
@@ -73,17 +93,9 @@ def test_exit_frees_what_is_queued_and_stops_the_reaper():
             print("AT EXIT", s["pending"], s["stopped"], s["queued"] > 0)
 
         atexit.register(report)
-        import torch, torch_xla
-        import torch_xla_donate as tdx
-        dev = torch_xla.device()
-        state = [torch.ones(16, device=dev) * i for i in range(8)]
-        torch_xla.sync()
-        for _ in range(3):
-            for p in state:
-                tdx.donate_buffer(p)
-            state = [p + 1 for p in state]
-            torch_xla.sync(wait=False)
-        xm = __import__("torch_xla.core.xla_model", fromlist=["x"])
+    """) + _LOOP + textwrap.dedent("""
+        import torch_xla.core.xla_model as xm
+        state = loop(8)
         xm.wait_device_ops()
         torch_xla.sync(wait=False)  # settles the last steps: fewer than a handover, left queued
     """))
@@ -91,27 +103,13 @@ def test_exit_frees_what_is_queued_and_stops_the_reaper():
 
 
 def test_a_forked_child_starts_with_a_reaper_of_its_own():
-    proc = run_python(textwrap.dedent("""
-        import os, sys
-        import torch, torch_xla
-        import torch_xla_donate as tdx
-        from torch_xla_donate._base.native import C
-        dev = torch_xla.device()
-
-        def loop():
-            state = [torch.ones(16, device=dev) * i for i in range(40)]
-            torch_xla.sync()
-            for _ in range(3):
-                for p in state:
-                    tdx.donate_buffer(p)
-                state = [p + 1 for p in state]
-                torch_xla.sync(wait=False)
-            tdx.settle()
-            C.reaper_hand_over()
-            C.reaper_drain()
-            return C.reaper_stats()
-
-        parent = loop()
+    proc = run_python(_LOOP + textwrap.dedent("""
+        import os
+        loop(40)
+        tdx.settle()
+        C.reaper_hand_over()
+        C.reaper_drain()
+        parent = C.reaper_stats()
         assert parent["reaped"] > 0, parent
         pid = os.fork()
         if pid == 0:  # no XLA here: only the reaper's state is the child's
