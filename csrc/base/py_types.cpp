@@ -325,6 +325,13 @@ const HeldBuffer* EntryBuffer(PyObject* entry) {
   return e->buffer_on_record ? static_cast<const HeldBuffer*>(RecordOf(e).held.get()) : nullptr;
 }
 
+bool EntryTensorAlive(PyObject* entry) {
+  if (Py_TYPE(entry) != g_entry_type) return true;
+  auto* e = reinterpret_cast<PyEntry*>(entry);
+  if (!e->buffer_on_record) return true;
+  return e->weak != nullptr && PyWeakref_GetObject(e->weak) != Py_None;
+}
+
 void PrefetchEntries(PyObject* list) {
   const Py_ssize_t n = PyList_GET_SIZE(list);
   PyObject** items = PySequence_Fast_ITEMS(list);

@@ -56,6 +56,11 @@ bool WeakenEntryTensor(PyObject* entry, HeldBuffer* buffer);
 // The buffer a released or weakened Entry keeps, or nullptr (a tuple, an
 // entry holding its tensor, one whose verdict is in).
 const HeldBuffer* EntryBuffer(PyObject* entry);
+// Whether a tensor still leads to the buffer an Entry keeps: false for a
+// released entry (nobody held its tensor) and for a weakened one whose
+// tensor died; true while a weakened tensor lives, and for anything that
+// keeps no buffer alone (an entry holding its tensor, a record, a tuple).
+bool EntryTensorAlive(PyObject* entry);
 // Before a pass over many entries no code has touched since the last step
 // (a barrier's settle): starts loading, level by level for all of them at
 // once, what EntryBuffer and a verdict read (the Entry, its Record, the

@@ -214,9 +214,12 @@ size_t ReleaseUnheld(py::list donors) {
 // use of its poisoned tensor, which settles the verdict first, and the
 // verdict clears the flag of a buffer it gives back (verdicts.py `_keep`);
 // every later execution's commit clears it too, before its graph is built,
-// if the buffer still holds a value (`live_held`, `disarm_held`).  A consumed buffer's flag
-// can arm nothing, so the typical loop costs no torch_xla call here at all,
-// whether it rebinds its names or holds the old tensors.
+// if the buffer still holds a value and the user still holds its tensor
+// (`live_held(reachable=True)`, `disarm_held`).  A consumed buffer's flag can
+// arm nothing, and a buffer no tensor leads to any more (released, or its
+// weakened tensor died) is in no graph, so the typical loop costs no
+// torch_xla call here at all, whether it rebinds its names or holds the old
+// tensors, and whether or not the step before has run yet.
 //
 // Never stops half-way: a donor whose poisoning fails (a tensor subclass
 // that changed its class since marking, say) is returned with the error's
@@ -258,15 +261,19 @@ const HeldBuffer* LiveHeldBuffer(PyObject* item) {
   return buffer && !HeldBufferConsumed(buffer) ? buffer : nullptr;
 }
 
-// live_held(items) -> [item]: the entries or records whose record keeps a
-// buffer (its donor released or weakened by a commit) that still holds a
-// value: a donation not consumed, or not yet, whose flag `finish` left
-// armed.  Reads only the buffers: nothing when every one was consumed.
-py::list LiveHeld(py::list items) {
+// live_held(items, reachable=False) -> [item]: the entries or records whose
+// record keeps a buffer (its donor released or weakened by a commit) that
+// still holds a value: a donation not consumed, or not yet, whose flag
+// `finish` left armed.  With `reachable`, only the entries whose tensor
+// still leads to that buffer (EntryTensorAlive): a weakened donor the user
+// still holds.  Reads only the buffers: nothing when every one was
+// consumed, or none is reachable.
+py::list LiveHeld(py::list items, bool reachable) {
   py::list live;
   PrefetchEntries(items.ptr());
   for (size_t i = 0, n = items.size(); i < n; ++i) {
     PyObject* item = PyList_GET_ITEM(items.ptr(), i);
+    if (reachable && !EntryTensorAlive(item)) continue;
     if (LiveHeldBuffer(item)) Check(PyList_Append(live.ptr(), item) == 0);
   }
   return live;
@@ -333,7 +340,7 @@ void RegisterCommit(PyObject* module) {
   m.def("release_unheld", &ReleaseUnheld, py::arg("donors"));
   m.def("disarm_and_poison", &DisarmAndPoison, py::arg("donors"), py::arg("release") = false);
   m.def("entry_consumed", &EntryConsumed, py::arg("entry"));
-  m.def("live_held", &LiveHeld, py::arg("items"));
+  m.def("live_held", &LiveHeld, py::arg("items"), py::arg("reachable") = false);
   m.def("disarm_held", &DisarmHeld, py::arg("items"), py::arg("carrier"), py::arg("set_donation"));
   m.def("settle_entries", &SettleEntries, py::arg("entries"), py::arg("certain"));
 }

@@ -4,8 +4,9 @@
 // flag inside the execution that commits the marks, on the buffer each
 // tensor holds at that moment, and `disarm_and_poison` clears it as soon as
 // that execution has built its graph, unless a donor is kept by its buffer
-// alone: then the verdict or the next execution's commit clears it
-// (`live_held`, `disarm_held`), if the buffer was not consumed.
+// alone: then the verdict, or the next execution's commit while the user
+// still holds the tensor, clears it (`live_held`, `disarm_held`), if the
+// buffer was not consumed.
 #pragma once
 
 #include <Python.h>

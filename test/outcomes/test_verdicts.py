@@ -78,6 +78,60 @@ def test_async_unused_donation_cannot_fire_in_the_step_that_first_uses_it(dev):
     assert x.cpu().tolist() == [0.0, 1.0, 2.0] and later.cpu().tolist() == [1.0, 2.0, 3.0]
 
 
+class _DisarmSpy:
+    """The native module, with the items whose flags ``disarm_held`` clears
+    recorded: entries (a commit before its graph) and records (a verdict)."""
+
+    def __init__(self, real):
+        self._real, self.entries, self.records = real, [], []
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def disarm_held(self, items, *args):
+        for item in items:
+            (self.records if isinstance(item, _C.Record) else self.entries).append(item)
+        return self._real.disarm_held(items, *args)
+
+
+# Who still leads to the buffer of a donation in flight at the next commit
+# (unused here, so the buffer holds its value there, as a donor's does while
+# its step has not run yet), and whether that commit must clear its flag.
+LEADS = {
+    "nobody (the name rebound before the step)": False,
+    "nobody (the old tensor dropped after the step)": False,
+    "the user, who still holds the poisoned tensor": True,
+}
+
+
+@pytest.mark.parametrize("lead", list(LEADS))
+def test_the_next_commit_clears_only_flags_a_tensor_still_leads_to(dev, lead, reads_path,
+                                                                   monkeypatch):
+    x, y = materialize(torch.arange(3.0, device=dev), torch.ones(3, device=dev))
+    tdx.donate_buffer(x)
+    z = y + 1
+    if lead.startswith("nobody (the name"):
+        del x  # the entry holds it alone: the commit lets it go
+    torch_xla.sync(wait=False)
+    if lead.startswith("nobody (the old"):
+        del x
+    elif LEADS[lead] and reads_path == "xlac":
+        # The entry keeps the tensor itself: its commit cleared the flag.
+        assert not torch_xla._XLAC._get_buffer_donation(torch._from_functional_tensor(x))
+    spy = _DisarmSpy(_C)
+    monkeypatch.setattr(torch_xla_donate._outcomes.verdicts, "C", spy)
+    with pytest.warns(tdx.UnusedDonationWarning, match=r"f32\[3\]"):
+        torch_xla.sync(wait=False)  # clears flags, builds its graph, then settles
+    # A buffer nothing leads to is in no graph: no torch_xla call for it
+    # before the graph; the verdict that keeps the value clears it after.
+    assert bool(spy.entries) == (LEADS[lead] and reads_path == "native"), spy.entries
+    assert len(spy.records) == (reads_path == "native")
+    if LEADS[lead]:
+        assert type(x) is torch.Tensor and x.cpu().tolist() == [0.0, 1.0, 2.0]
+        assert not torch_xla._XLAC._get_buffer_donation(x)
+    assert z.cpu().tolist() == [2.0, 2.0, 2.0]
+
+
 def test_open_verdicts_are_not_tracked_by_the_garbage_collector(dev):
     # A step with thousands of donations keeps them all until the next
     # barrier; as tuples they would make full collections run far more often.

@@ -26,8 +26,10 @@ a use of its poisoned tensor, which settles the verdict first, and a verdict
 that gives the value back clears the flag (``verdicts._keep``); every later
 execution's commit (a barrier's, a flush's, a compiled call's extraction)
 clears it too before its graph is built if the buffer still holds a value
-(``verdicts.disarm_in_flight``).  A consumed buffer's flag can arm nothing,
-so the step costs no torch_xla call to disarm.
+and the user still holds its tensor (``verdicts.disarm_in_flight``).  A
+consumed buffer's flag can arm nothing, and a released donor's buffer (or a
+weakened one's whose tensor died) is in no graph, so the step costs no
+torch_xla call to disarm, even while the step before is still running.
 
 The stages of a commit
 ----------------------
@@ -401,8 +403,8 @@ def _cancel_junk(tensors, records):
 # another thread has in progress on the same device, whose flags are armed.
 # (With one device per thread, ``torch_xla.launch``, they need not wait.)
 # With one device they clear, as a barrier does, the flags ``finish`` left
-# armed on in-flight buffers that still hold a value
-# (``verdicts.disarm_in_flight``).
+# armed on in-flight buffers that still hold a value and whose tensor the
+# user still holds (``verdicts.disarm_in_flight``).
 
 
 def flush_before(*args, **kwargs):

@@ -37,7 +37,8 @@ cleared as soon as the execution has built its graph (commit.py), or, for a
 donor the commit keeps by its buffer alone (released, or poisoned and held
 weakly), by the verdict that gives the value back (``_keep``) and, before
 then, by every later commit before its graph is built
-(``disarm_in_flight``) if the buffer still holds a value.
+(``disarm_in_flight``) if the buffer still holds a value and the user still
+holds its tensor.
 
 Where each verdict is set
 -------------------------
@@ -243,21 +244,32 @@ def disarm_in_flight(device) -> None:
     """Before an execution on ``device`` builds its graph: clears the donor
     flag that ``commit.finish`` left armed on the buffer of an in-flight
     donation kept by its buffer alone, if that buffer still holds a value
-    (not consumed, or not yet).  A consumed buffer's flag can arm nothing,
-    so the typical step reads each buffer and calls nothing.  One device
-    only (commit.finish keeps buffers alone only then).  Called with the
-    lock held, before any flag of the execution is armed."""
+    (not consumed, or not yet) and the user still holds its tensor.  One
+    device only (commit.finish keeps buffers alone only then).  Called with
+    the lock held, before any flag of the execution is armed.
+
+    The tricky case: a step still running (``sync(wait=False)``), whose
+    donors' buffers hold their values until it consumes them.  A donor the
+    commit released, or a weakened one whose tensor died since, leads no
+    graph to its buffer: nothing but its entry holds it, so it is left
+    alone, and a loop that rebinds its names, or drops the old tensors,
+    pays no torch_xla call here even when the step before has not run.  A
+    weakened tensor the user still holds is cleared: ``_XLAC`` calls that
+    take it straight to torch_xla (``_replace_xla_tensor``) do not meet its
+    poison.  (The graph of a failed step that runs again is ``fail``'s: its
+    verdicts clear those flags, ``_keep``.)"""
     if _in_flight:
-        _disarm_held(_in_flight, device)
+        _disarm_held(_in_flight, device, reachable=True)
 
 
-def _disarm_held(items, device=None) -> None:
+def _disarm_held(items, device=None, reachable=False) -> None:
     """Clears the flag ``commit.finish`` left armed on the buffer the record
     of each of ``items`` (entries or records) keeps, where that buffer still
-    holds a value, through a carrier tensor of ``device`` (None: the
-    thread's; buffers are kept so with one device only), looked up only
-    when there is one to clear."""
-    live = C.live_held(items)
+    holds a value (with ``reachable``: and a tensor still leads to it),
+    through a carrier tensor of ``device`` (None: the thread's; buffers are
+    kept so with one device only), looked up only when there is one to
+    clear."""
+    live = C.live_held(items, reachable)
     if live:
         carrier = auto.carrier(device if device is not None else devices.barrier_device(""))
         C.disarm_held(live, carrier, xla.real("_set_buffer_donation"))
