@@ -130,9 +130,11 @@ Via ViaArg(PyObject* const* args, Py_ssize_t nargs, Py_ssize_t i) {
   return static_cast<Via>(v);
 }
 
-void MarkCandidate(Candidate&& c, const FilePtr& file, int line, Via via) {
-  GlobalLedger().Mark(py::reinterpret_borrow<py::object>(c.tensor), file, line, std::move(c.shape),
-                      std::move(c.dtype), c.nbytes, via, c.version);
+// False if the tensor was marked already (the ledger changed nothing).
+bool MarkCandidate(Candidate&& c, const FilePtr& file, int line, Via via) {
+  return GlobalLedger().Mark(py::reinterpret_borrow<py::object>(c.tensor), file, line,
+                             std::move(c.shape), std::move(c.dtype), c.nbytes, via,
+                             c.version) != nullptr;
 }
 
 // The fast path of one mark: 1 once `t` is marked (blaming `where`, see
@@ -146,7 +148,6 @@ int FastMark(PyObject* t, PyObject* where, Via via) {
   Candidate c;
   if (!Prepare(t, &c)) return 0;
   if (c.shape.empty()) return 0;  // 0-dim: api refuses it, with a reason
-  if (GlobalLedger().IsMarked(py::handle(t))) return 0;
   FilePtr file;
   int line = 0;
   if (!ResolveWhere(where, &file, &line)) return -1;  // caller's bug
@@ -154,8 +155,8 @@ int FastMark(PyObject* t, PyObject* where, Via via) {
     PyErr_Clear();
     return 0;
   }
-  MarkCandidate(std::move(c), file, line, via);
-  return 1;
+  // Marked already: the ledger asks under the lock it marks with, once.
+  return MarkCandidate(std::move(c), file, line, via) ? 1 : 0;
 }
 
 // try_mark(tensor, where, via=0) -> bool
