@@ -50,7 +50,10 @@ MODES = ["no donation", "donate_buffer", "donate(list)", RAW, "floor"]
 TARGET = 0.98  # of raw donation's throughput
 
 
-def child(count: int, numel: int, hold: int, windows: int, steps: int) -> dict:
+def make_loop(count: int, numel: int, hold: int):
+    """The loop's state on the device and its ``step(mode)``, which also
+    counts the steps taken (``step.taken``): every benchmark that runs this
+    loop runs this one (bench_async_instructions.py counts it)."""
     import torch
     import torch_xla
     import torch_xla.core.xla_model as xm
@@ -63,11 +66,9 @@ def child(count: int, numel: int, hold: int, windows: int, steps: int) -> dict:
     xm.wait_device_ops()
     set_donation = torch_xla._XLAC._set_buffer_donation
 
-    taken = 0
-
     def step(mode):
-        nonlocal state, taken
-        taken += 1
+        nonlocal state
+        step.taken += 1
         if mode == "donate_buffer":
             for p in state:
                 tdx.donate_buffer(p)
@@ -86,12 +87,22 @@ def child(count: int, numel: int, hold: int, windows: int, steps: int) -> dict:
             torch_xla.sync(wait=False)
         del old
 
+    step.taken = 0
+    step.state = lambda: state
+    return step
+
+
+def child(count: int, numel: int, hold: int, windows: int, steps: int) -> dict:
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    step = make_loop(count, numel, hold)
     rates, collections = C.interleaved_rates(step, MODES, windows, steps, xm.wait_device_ops)
     torch_xla.sync()
-    first = float(state[0][0].cpu())
+    first = float(step.state()[0][0].cpu())
     return {"steps_per_s": {m: C.median(r) for m, r in rates.items()}, "windows": rates,
             "gc_per_step": {m: [n / (windows * steps) for n in c] for m, c in collections.items()},
-            "value": first, "expected": closed_form(taken)}
+            "value": first, "expected": closed_form(step.taken)}
 
 
 def closed_form(taken: int) -> float:
