@@ -26,13 +26,14 @@ BENCHMARKS = {
     "sharing_slices": ("bench_sharing.py", ["--slices"], ["--slices"]),
     "xnnpack_flag": ("bench_xnnpack_flag.py", [], ["--rounds", "1"]),
     "instructions": ("bench_instructions.py", [], ["--tensors", "50", "--steps", "2"]),
+    "async_instructions": ("bench_async_instructions.py", [], ["--tensors", "50", "--steps", "2"]),
     "reads": ("bench_reads.py", [], ["--calls", "300"]),
     "crossings": ("bench_crossings.py", [], ["--steps", "2"]),
     "registry": ("bench_registry.py", [], ["--rounds", "5"]),
     "auto": ("bench_auto.py", [], ["--rounds", "3"]),
 }
 # Tools a benchmark needs beyond Python: without them it is skipped, and says so.
-NEEDS = {"instructions": "valgrind", "reads": "valgrind"}
+NEEDS = {"instructions": "valgrind", "async_instructions": "valgrind", "reads": "valgrind"}
 # Result files a benchmark writes besides results/<its name>.md.
 EXTRA_RESULTS = {"memory": ["memory_decode"]}
 
