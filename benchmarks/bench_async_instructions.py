@@ -25,7 +25,6 @@ running at a barrier, as in ``bench_async.py``.  Needs ``valgrind`` and
 import argparse
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 
@@ -65,15 +64,9 @@ def child(mode: str, hold: int, n: int, steps: int, helper: str) -> None:
 
 def measure(mode: str, hold: int, n: int, steps: int, helper: str, tmp: str) -> int:
     """Instructions of the loop's thread over the counted steps."""
-    out = os.path.join(tmp, f"cg.{MODES.index(mode)}.{hold}")
-    cmd = ["valgrind", "--tool=callgrind", "--separate-threads=yes", "--instr-atstart=no",
-           f"--callgrind-out-file={out}", "-q", sys.executable, os.path.abspath(__file__),
-           "--child", mode, str(hold), "--tensors", str(n), "--steps", str(steps),
-           "--helper", helper]
-    done = subprocess.run(cmd, env=C.child_env(), capture_output=True, text=True, timeout=3600)
-    if done.returncode != 0:
-        raise RuntimeError(f"{mode}: exit {done.returncode}\n{done.stderr[-3000:]}")
-    return bench_instructions._count(out + "-01")
+    return bench_instructions.counted(
+        __file__, ["--child", mode, hold, "--tensors", n, "--steps", steps, "--helper", helper],
+        os.path.join(tmp, f"cg.{MODES.index(mode)}.{hold}"), loop_thread=True)
 
 
 def main() -> None:

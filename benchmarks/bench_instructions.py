@@ -135,21 +135,29 @@ def _count(out_prefix: str) -> int:
     raise RuntimeError(f"no totals in {out_prefix}.1")
 
 
-def measure(mode: str, n: int, steps: int, helper: str, tmp: str, loop_thread: bool = False) -> int:
-    """Instructions of the counted steps: every thread's, or with
-    ``loop_thread`` those of the thread running the loop alone (callgrind's
-    per-thread dump: the requesting thread's file, ``-01``)."""
-    out = os.path.join(tmp, f"cg.{MODES.index(mode)}{'.loop' if loop_thread else ''}")
+def counted(script: str, args: list, out: str, loop_thread: bool, extra_env=None) -> int:
+    """Runs ``script args`` (a child that counts between the helper's start
+    and stop) under callgrind, writing to ``out``; returns the instructions
+    counted: every thread's, or with ``loop_thread`` those of the thread
+    running the loop alone (callgrind's per-thread dump: the requesting
+    thread's file, ``-01``).  bench_async_instructions.py counts with it too."""
     threads = ["--separate-threads=yes"] if loop_thread else []
     cmd = ["valgrind", "--tool=callgrind", *threads, "--instr-atstart=no",
-           f"--callgrind-out-file={out}", "-q", sys.executable, os.path.abspath(__file__),
-           "--child", mode, "--tensors", str(n), "--steps", str(steps), "--helper", helper]
-    extra = {"TORCH_XLA_DONATE_NATIVE_READS": "0"} if mode.endswith(XLAC_READS) else None
-    done = subprocess.run(cmd, env=C.child_env(extra), capture_output=True, text=True,
+           f"--callgrind-out-file={out}", "-q", sys.executable, os.path.abspath(script),
+           *map(str, args)]
+    done = subprocess.run(cmd, env=C.child_env(extra_env), capture_output=True, text=True,
                           timeout=3600)
     if done.returncode != 0:
-        raise RuntimeError(f"{mode}: exit {done.returncode}\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"{args}: exit {done.returncode}\n{done.stderr[-3000:]}")
     return _count(out + ("-01" if loop_thread else ""))
+
+
+def measure(mode: str, n: int, steps: int, helper: str, tmp: str, loop_thread: bool = False) -> int:
+    """Instructions of the counted steps (``counted``)."""
+    out = os.path.join(tmp, f"cg.{MODES.index(mode)}{'.loop' if loop_thread else ''}")
+    extra = {"TORCH_XLA_DONATE_NATIVE_READS": "0"} if mode.endswith(XLAC_READS) else None
+    return counted(__file__, ["--child", mode, "--tensors", n, "--steps", steps, "--helper", helper],
+                   out, loop_thread, extra)
 
 
 def main() -> None:
