@@ -142,7 +142,7 @@ PYBIND11_MODULE(_C, m) {
           if (d < 0) throw py::value_error("mark(): shape sizes must be >= 0");
         return RecordOrNone(GlobalLedger().Mark(
             std::move(tensor), std::make_shared<const std::string>(std::move(file)), line,
-            std::move(shape), std::move(dtype), nbytes, static_cast<Via>(via), version));
+            Dims(shape), std::move(dtype), nbytes, static_cast<Via>(via), version));
       },
       py::arg("tensor"), py::arg("file"), py::arg("line"), py::arg("shape"), py::arg("dtype"),
       py::arg("nbytes"), py::arg("via") = 0, py::arg("version") = -1,

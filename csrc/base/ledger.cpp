@@ -2,6 +2,8 @@
 
 #include <utility>
 
+#include "base/block_pool.h"
+
 namespace torch_xla_donate {
 
 const char* VerdictName(Verdict v) {
@@ -53,16 +55,16 @@ std::string Record::ShapeString() const {
   return s + "]";
 }
 
-RecordPtr Ledger::Mark(py::object tensor, FilePtr file, int line, std::vector<int64_t> shape,
-                       std::string dtype, int64_t nbytes, Via via, int64_t version) {
+RecordPtr Ledger::Mark(py::object tensor, FilePtr file, int line, Dims shape, std::string dtype,
+                       int64_t nbytes, Via via, int64_t version) {
   std::lock_guard<std::mutex> lock(mu_);
   PyObject* key = tensor.ptr();
   if (index_.Find(key)) return nullptr;
-  auto record = std::make_shared<Record>();
+  auto record = std::allocate_shared<Record>(PoolAllocator<Record>());
   record->id = next_id_++;
   record->file = std::move(file);
   record->line = line;
-  record->shape = std::move(shape);
+  record->shape = shape;
   record->dtype = std::move(dtype);
   record->nbytes = nbytes;
   record->via = via;

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "base/dims.h"
 #include "base/ptr_index.h"
 
 namespace torch_xla_donate {
@@ -63,7 +64,7 @@ struct Record {
   int64_t step = -1;  // the step barrier that committed the mark
   FilePtr file;       // never null
   int line = 0;
-  std::vector<int64_t> shape;
+  Dims shape;
   std::string dtype;  // short XLA-style name: f32, bf16, s64, pred, ...
   int64_t nbytes = 0;
   Verdict verdict = Verdict::kMarked;
@@ -112,9 +113,8 @@ class Ledger {
 
   // Marks `tensor` for the next step.  Returns nullptr when it is already
   // marked: marking twice before a step counts once.
-  RecordPtr Mark(py::object tensor, FilePtr file, int line, std::vector<int64_t> shape,
-                 std::string dtype, int64_t nbytes, Via via = Via::kDonateBuffer,
-                 int64_t version = -1);
+  RecordPtr Mark(py::object tensor, FilePtr file, int line, Dims shape, std::string dtype,
+                 int64_t nbytes, Via via = Via::kDonateBuffer, int64_t version = -1);
 
   // Removes a pending mark; returns its record (verdict kCancelled) or
   // nullptr when the tensor was not marked.

@@ -140,6 +140,7 @@ struct PyEntry {
   PyObject_HEAD PyObject* tensor;  // None once released or weakened
   PyObject* record;
   PyObject* weak;         // a weak reference to the tensor once weakened
+  PyObject* inner;        // a weakened donor's poisoned inner tensor (EntryKeepInner)
   bool buffer_on_record;  // released or weakened: Record::held is this entry's
 };
 
@@ -163,6 +164,7 @@ bool KeepBufferOnRecord(PyObject* entry, HeldBuffer* buffer, PyObject* weak) {
 void EntryDealloc(PyObject* self) {
   auto* e = reinterpret_cast<PyEntry*>(self);
   if (e->buffer_on_record) RecordOf(e).held.reset();  // an open verdict reads the tensor's own
+  Py_CLEAR(e->inner);
   Py_CLEAR(e->weak);
   Py_CLEAR(e->tensor);
   Py_CLEAR(e->record);
@@ -289,6 +291,7 @@ PyObject* NewEntry(PyObject* tensor, PyObject* record) {
   e->tensor = tensor;
   e->record = record;
   e->weak = nullptr;
+  e->inner = nullptr;
   e->buffer_on_record = false;
   return o;
 }
@@ -316,6 +319,20 @@ bool WeakenEntryTensor(PyObject* entry, HeldBuffer* buffer) {
   if (KeepBufferOnRecord(entry, buffer, weak)) return true;
   Py_DECREF(weak);
   return false;
+}
+
+bool EntryKeepInner(PyObject* entry, PyObject* inner) {
+  if (Py_TYPE(entry) != g_entry_type) return false;
+  auto* e = reinterpret_cast<PyEntry*>(entry);
+  if (e->weak == nullptr || e->inner != nullptr) return false;
+  e->inner = inner;
+  return true;
+}
+
+void EntryDropDeadInner(PyObject* entry) {
+  if (Py_TYPE(entry) != g_entry_type) return;
+  auto* e = reinterpret_cast<PyEntry*>(entry);
+  if (e->inner != nullptr && PyWeakref_GetObject(e->weak) == Py_None) Py_CLEAR(e->inner);
 }
 
 const HeldBuffer* EntryBuffer(PyObject* entry) {

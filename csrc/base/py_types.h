@@ -53,6 +53,20 @@ bool ReleaseEntryTensor(PyObject* entry, HeldBuffer* buffer);
 // None; native code reading the entry in place (EntryParts) sees None.
 // Also false if its tensor takes no weak reference.
 bool WeakenEntryTensor(PyObject* entry, HeldBuffer* buffer);
+// Keeps the inner tensor `inner` (a new reference, which it takes) that
+// poisoning a weakened Entry's functional tensor made (outcomes/poison.h
+// Poison), so that the inner's Python object dies with the GIL held, when
+// the entry lets go of it, rather than inside the wrapper's deallocation,
+// where torch has released the GIL and must take it back for it (about
+// 0.5k instructions per held donor and step, in the async loop's count).
+// False, nothing taken, for no Entry, one not weakened, or one that keeps
+// an inner already.
+bool EntryKeepInner(PyObject* entry, PyObject* inner);
+// Lets go of the inner an Entry keeps once its weakened tensor died (a
+// barrier's release_unheld, before its real execution: the inner's
+// XLATensor would otherwise live through that execution, one more tensor
+// for torch_xla to walk).  Nothing for anything else.
+void EntryDropDeadInner(PyObject* entry);
 // The buffer a released or weakened Entry keeps, or nullptr (a tuple, an
 // entry holding its tensor, one whose verdict is in).
 const HeldBuffer* EntryBuffer(PyObject* entry);

@@ -240,8 +240,7 @@ int SetDonor(PyObject* t, bool donate) {
   return Truth(PyObject_Vectorcall(g_hooks.set_donor, args, 2, nullptr));
 }
 
-int Describe(PyObject* t, TensorFacts& facts, std::vector<int64_t>* shape, std::string* dtype,
-             int64_t* nbytes) {
+int Describe(PyObject* t, TensorFacts& facts, Dims* shape, std::string* dtype, int64_t* nbytes) {
   if (facts.symbolic_sizes) return 0;
   int64_t numel = 1;
   for (int64_t d : facts.sizes) numel *= d;
@@ -256,7 +255,7 @@ int Describe(PyObject* t, TensorFacts& facts, std::vector<int64_t>* shape, std::
     if (!info) return -1;
     if (cacheable && info->itemsize == facts.itemsize) g_dtype_by_scalar_type[st] = info;
   }
-  shape->swap(facts.sizes);
+  *shape = facts.sizes;
   *dtype = info->name;
   *nbytes = numel * info->itemsize;
   return 1;

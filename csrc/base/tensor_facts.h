@@ -12,6 +12,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "base/dims.h"
+
 namespace torch_xla_donate {
 
 struct TensorFacts {
@@ -30,7 +32,7 @@ struct TensorFacts {
   bool has_autograd_meta = true;
   int scalar_type = -1;         // c10::ScalarType, -1 if not a plain scalar type
   bool symbolic_sizes = false;  // dynamic shapes: sizes below are not filled
-  std::vector<int64_t> sizes;
+  Dims sizes;
   int64_t itemsize = 0;
   // c10's version counter: every in-place update bumps it (-1: the tensor
   // keeps none, an inference tensor).

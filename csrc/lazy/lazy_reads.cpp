@@ -23,6 +23,7 @@
 #include <exception>
 #include <typeinfo>
 
+#include "base/block_pool.h"
 #include "base/prefetch.h"
 #include "base/tensor_access.h"
 #include "lazy/lazy_tensor_of.h"
@@ -177,7 +178,13 @@ bool ReadLazyFacts(uintptr_t address, LazyFacts* out) {
 
 struct HeldBuffer {
   torch::lazy::BackendDataPtr data;
+  // One per donor and step, made and freed in bursts: recycled
+  // (block_pool.h).
+  using Pool = BlockPool<sizeof(torch::lazy::BackendDataPtr)>;
+  static void* operator new(size_t) { return Pool::Global().Get(); }
+  static void operator delete(void* p) { Pool::Global().Put(p); }
 };
+static_assert(sizeof(HeldBuffer) == sizeof(torch::lazy::BackendDataPtr), "one pooled size");
 
 HeldBuffer* TakeBuffer(uintptr_t address) {
   try {

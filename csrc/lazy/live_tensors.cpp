@@ -146,6 +146,8 @@ bool SameStepCopies(const std::vector<DonorKey>& donors, std::vector<std::vector
   using Key = std::pair<uintptr_t, size_t>;   // (node or buffer, donor index)
   std::vector<Key> nodes, buffers, borrowed;  // borrowed: donors without a handle
   std::vector<int64_t> ids;
+  for (auto* keys : {&nodes, &buffers}) keys->reserve(donors.size());
+  ids.reserve(donors.size());
   for (size_t i = 0; i < donors.size(); ++i) {
     const DonorKey& d = donors[i];
     if (d.buffer == 0) continue;
@@ -154,10 +156,18 @@ bool SameStepCopies(const std::vector<DonorKey>& donors, std::vector<std::vector
     if (!d.own_handle) borrowed.emplace_back(d.buffer, i);
     if (d.ir_node != 0) nodes.emplace_back(d.ir_node, i);
   }
-  for (auto* keys : {&nodes, &buffers, &borrowed}) std::sort(keys->begin(), keys->end());
-  std::sort(ids.begin(), ids.end());
+  if (buffers.empty()) return LiveTensorArena() != 0;
+  // Sorted at the first live tensor that must be looked up: in the common
+  // step every live tensor is either materialized with a buffer of its own
+  // or pending, and none is.
+  bool sorted = false;
   // Donors holding each other's buffer are donated together: not holders.
   auto record = [&](const std::vector<Key>& keys, uintptr_t key, int64_t id) {
+    if (!sorted) {
+      for (auto* k : {&nodes, &buffers, &borrowed}) std::sort(k->begin(), k->end());
+      std::sort(ids.begin(), ids.end());
+      sorted = true;
+    }
     if (std::binary_search(ids.begin(), ids.end(), id)) return;
     for (auto it = std::lower_bound(keys.begin(), keys.end(), Key(key, 0));
          it != keys.end() && it->first == key; ++it) {
@@ -165,7 +175,6 @@ bool SameStepCopies(const std::vector<DonorKey>& donors, std::vector<std::vector
       if (found.empty() || found.back() != id) found.push_back(id);
     }
   };
-  if (buffers.empty()) return LiveTensorArena() != 0;
   return ForEachLiveTensor([&](const LiveTensor& t) {
     if (t.handle != 0) {
       // Its own buffer: kept at the barrier, unless it is a donor's that

@@ -73,7 +73,7 @@ int CommonChecks(PyObject* t, TensorFacts* facts) {
 // A tensor that passed the checks, with what its ledger record needs.
 struct Candidate {
   PyObject* tensor = nullptr;  // borrowed
-  std::vector<int64_t> shape;
+  Dims shape;
   std::string dtype;
   int64_t nbytes = 0;
   int64_t version = -1;

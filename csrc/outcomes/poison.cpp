@@ -98,7 +98,7 @@ int TagTensor(PyObject* t, const RecordPtr& record, const std::string& note) {
   return 0;
 }
 
-int Poison(PyObject* t, PyObject* record) {
+int Poison(PyObject* t, PyObject* record, PyObject** keep_inner) {
   const RecordPtr& r = Unwrap(record);
   // The tensor torch_xla computes with: for a functional tensor (torch_xla's
   // default) the one it wraps, which every operator on `t` reaches after
@@ -132,6 +132,10 @@ int Poison(PyObject* t, PyObject* record) {
   // The wrapper takes its twin class only: the record rides on the tensor
   // torch_xla computes with, where poison.py's donation_record reads it.
   if (rc == 0 && inner != t) rc = TakeTwinClass(t, /*refuses_operators=*/false);
+  if (rc == 0 && inner != t && keep_inner != nullptr) {
+    *keep_inner = inner;  // the caller's reference now
+    return 0;
+  }
   Py_DECREF(inner);
   return rc;
 }

@@ -21,8 +21,11 @@ int TagTensor(PyObject* t, const RecordPtr& record, const std::string& note = st
 // Makes `t` refuse every use (poison.py): the tensor torch_xla computes
 // with (the one a functional tensor wraps) is tagged with the record, takes
 // the twin of its class that refuses operators and the Python dispatch key;
-// then `t` takes the twin of its own class.  0 ok, -1 error.
-int Poison(PyObject* t, PyObject* record);
+// then `t` takes the twin of its own class.  0 ok, -1 error.  With
+// `keep_inner`, a functional tensor's inner (a new reference) is handed to
+// the caller there rather than let go (py_types.h EntryKeepInner); it is
+// set only when 0 is returned and `t` had an inner.
+int Poison(PyObject* t, PyObject* record, PyObject** keep_inner = nullptr);
 // Drops the cache of poisoned twin classes (poison.py re-bound its hooks).
 void ForgetPoisonClasses();
 

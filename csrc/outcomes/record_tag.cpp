@@ -8,6 +8,8 @@
 #include <exception>
 #include <utility>
 
+#include "base/block_pool.h"
+
 namespace torch_xla_donate {
 namespace {
 
@@ -22,6 +24,11 @@ class RecordTag final : public c10::BackendMeta {
   const std::string& note() const { return note_; }
   const c10::intrusive_ptr<c10::BackendMeta>& replaced() const { return replaced_; }
 
+  // One per poisoned donor and step, made and freed in bursts: recycled
+  // (block_pool.h).
+  static void* operator new(size_t bytes);
+  static void operator delete(void* p);
+
   // torch copies a TensorImpl's metadata into its shallow copies (detach,
   // .data, saved tensors).  A copy is no donated tensor: it gets what the
   // tag replaced, as if the tensor had never been tagged.
@@ -35,6 +42,11 @@ class RecordTag final : public c10::BackendMeta {
   std::string note_;
   c10::intrusive_ptr<c10::BackendMeta> replaced_;
 };
+
+void* RecordTag::operator new(size_t) {  // final: always sizeof(RecordTag)
+  return BlockPool<sizeof(RecordTag)>::Global().Get();
+}
+void RecordTag::operator delete(void* p) { BlockPool<sizeof(RecordTag)>::Global().Put(p); }
 
 RecordTag* TagOf(c10::TensorImpl* impl) {
   return dynamic_cast<RecordTag*>(impl->get_backend_meta());

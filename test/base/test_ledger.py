@@ -143,3 +143,40 @@ def test_the_index_agrees_with_a_dict_through_marks_unmarks_and_steps():
         assert [id(t) for t in tensors] == list(marked)
         marked.clear()
         assert not any(_C.is_marked(o) for o in objs)
+
+
+@pytest.mark.parametrize("ndim", [0, 1, 6, 7, 9])
+def test_a_record_keeps_its_shape_inline_or_not(ndim):
+    """Shapes of up to six dimensions are kept inside the record, longer
+    ones on the heap (csrc/base/dims.h): either way the record reads back
+    the shape it was given, also once records are recycled."""
+    shape = tuple(range(2, 2 + ndim))
+    r = mark(Obj(), shape=shape)
+    assert r.shape == shape
+    assert r.shape_string == "f32[" + ",".join(map(str, shape)) + "]"
+
+
+def test_recycled_records_never_overwrite_one_still_held():
+    """Records are recycled (csrc/base/block_pool.h): the memory of records
+    nobody holds any more goes to the next ones marked.  A record still held
+    (a report, a poisoned tensor's tag) keeps what it said, however many
+    records are made and dropped around it, from several threads."""
+    import threading
+
+    kept = [mark(Obj(), shape=(i + 1,), line=i) for i in range(50)]
+
+    def churn(first):
+        for i in range(first, first + 2000):
+            o = Obj()
+            r = mark(o, shape=(i % 7 + 1, 3), line=i)
+            assert (r.line, r.shape) == (i, (i % 7 + 1, 3))
+            _C.unmark(o)
+
+    threads = [threading.Thread(target=churn, args=(k * 10_000,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    churn(100_000)
+    for t in threads:
+        t.join()
+    assert [(r.line, r.shape, r.verdict) for r in kept] == [
+        (i, (i + 1,), V.MARKED) for i in range(50)]

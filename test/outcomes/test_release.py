@@ -184,3 +184,46 @@ def test_a_held_unused_donor_gets_its_value_back_and_can_be_donated_again(dev, s
     assert (stats.reused, stats.dropped) == (1, 0), stats
     assert tdx.is_deleted(x) and new.cpu().tolist() == [2.0 * i + 1 for i in range(16)]
     assert total.item() == 120.0
+
+
+@pytest.mark.parametrize("wait", ["sync", "sync(wait=False)"])
+def test_dropped_poisoned_donors_are_gone_before_the_next_barrier_walks(dev, reads_path, wait,
+                                                                        monkeypatch):
+    """The loop holds its old state through each barrier, then drops it.
+    Poisoning a functional donor made a Python object for the tensor it
+    wraps, which its entry keeps (so that it dies with the GIL held rather
+    than inside the wrapper's deallocation).  Once the wrapper is gone, the
+    next barrier lets go of it first: neither that barrier's walk for copies
+    nor torch_xla's own walk meets the old step's tensors.  The number of
+    live XLA tensors as each barrier begins is the same every step.
+
+    With ``_XLAC`` reads no buffer can be kept without its tensor: an entry
+    keeps its poisoned donor until the verdict, which a step not waited for
+    gets at the next barrier, after its walk."""
+    from torch_xla_donate._base import xla
+    from torch_xla_donate._hooks import commit
+
+    n = 6
+    state = [materialize(torch.full((8,), float(i), device=dev)) for i in range(n)]
+    live_at_commit = []
+    begin_fast = commit._begin_fast
+
+    def counting(*args):
+        live_at_commit.append(xla.live_tensor_count())
+        return begin_fast(*args)
+
+    monkeypatch.setattr(commit, "_begin_fast", counting)
+    reused = _C.totals()["reused"]
+    for _ in range(4):
+        for p in state:
+            tdx.donate_buffer(p)
+        old = state
+        state = [p * 2 + 1 for p in state]
+        _barrier(wait)
+        assert all(type(o) is not torch.Tensor for o in old), "held through the barrier"
+        del old
+    tdx.settle()
+    kept = n if reads_path == "xlac" and wait != "sync" else 0
+    assert live_at_commit == [live_at_commit[0]] + [live_at_commit[0] + kept] * 3, live_at_commit
+    assert [p.cpu().tolist() for p in state] == [[i * 16.0 + 15] * 8 for i in range(n)]
+    assert _C.totals()["reused"] - reused == 4 * n

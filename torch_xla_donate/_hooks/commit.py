@@ -141,6 +141,10 @@ def barrier_before(device="", devices=(), wait=True, reset_scope=True, *, commit
         verdicts.disarm_in_flight(here)  # before this execution arms anything
         if not commits:
             return _FLUSH
+        if xla.local_device_count() == 1:
+            # Earlier steps' donors the loop dropped since, out of the walk
+            # for copies and out of torch_xla's walk of the barrier.
+            verdicts.release_unheld()
         # No verdict of an earlier step before the real barrier: it may still
         # be dispatching, and a buffer reads as deleted while XLA holds it for
         # a donation it may yet give back (see verdicts.py).
@@ -265,16 +269,11 @@ def release_unheld(donors) -> None:
     verdicts are split by the tensor's device.  After ``auto.at_commit``,
     whose search must see the donors as held.
 
-    The donors of earlier steps still in flight that their entries hold
-    (``finish`` keeps held donors only weakly where native reads are on)
-    go the same way once the loop dropped them
-    (``verdicts.release_unheld``): poisoned, nobody can read them, and
-    their verdicts read only the buffer."""
-    if xla.local_device_count() != 1:
-        return
-    if donors:
+    The donors of earlier steps still in flight went the same way at the
+    start of the barrier (``verdicts.release_unheld``), before the walk for
+    copies."""
+    if donors and xla.local_device_count() == 1:
         C.release_unheld(donors)
-    verdicts.release_unheld()
 
 
 def finish(device, donors, notices, certain: bool) -> None:
@@ -292,6 +291,9 @@ def finish(device, donors, notices, certain: bool) -> None:
     still holds is poisoned, and its entry keeps the buffer and only a weak
     reference to it: it dies when the loop drops it, as raw donation's do,
     and a verdict that gives its value back still finds it while it lives.
+    (The entry keeps the poisoned inner tensor of a functional one until
+    then, and lets go of it at the next barrier: see
+    ``verdicts.release_unheld``.)
     With several devices the entry keeps it: verdicts are split by the
     tensor's device.  A donor
     that cannot be poisoned does not stop the others: a ``TypeError`` naming

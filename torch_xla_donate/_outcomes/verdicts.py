@@ -231,11 +231,14 @@ def release_unheld() -> None:
     any more (the loop dropped a poisoned tensor after its step; entries
     the commit weakened hold none): each entry
     keeps only its buffer, which is all its verdict reads, and nobody is
-    left to lift the poison from.  A barrier calls it before its real
-    execution, so that torch_xla's walk of the live tensors does not meet
-    them again.  The caller (commit.release_unheld) makes sure there is one
-    device: with several, verdicts are split by the tensor's device.
-    Called with the lock held."""
+    left to lift the poison from.  The poisoned inner tensor a weakened
+    entry keeps (so that it dies with the GIL held, csrc/base/py_types.h
+    ``EntryKeepInner``) goes too once the loop dropped its wrapper.  A
+    barrier calls it first, so that neither the walk for copies
+    (arena.py) nor torch_xla's walk of the live tensors meets them again.
+    The caller (commit.barrier_before) makes sure there is one device:
+    with several, verdicts are split by the tensor's device.  Called with
+    the lock held."""
     if _in_flight:
         C.release_unheld(_in_flight)
 
