@@ -8,6 +8,7 @@
 #include <string>
 
 #include "base/prefetch.h"
+#include "base/variable.h"
 
 namespace py = pybind11;
 
@@ -139,7 +140,7 @@ PyTypeObject* g_entry_type = nullptr;
 struct PyEntry {
   PyObject_HEAD PyObject* tensor;  // None once released or weakened
   PyObject* record;
-  PyObject* weak;         // a weak reference to the tensor once weakened
+  uintptr_t weak;         // once weakened: the tensor, weakly (variable.h WeakTensorTake)
   PyObject* inner;        // a weakened donor's poisoned inner tensor (EntryKeepInner)
   bool buffer_on_record;  // released or weakened: Record::held is this entry's
 };
@@ -149,7 +150,7 @@ Record& RecordOf(PyEntry* e) { return *Unwrap(e->record); }
 // Hands `buffer` to the entry's record and lets go of the tensor, keeping
 // it weakly if `weak`.  False (nothing changed) for no Entry, or one whose
 // tensor is gone already.
-bool KeepBufferOnRecord(PyObject* entry, HeldBuffer* buffer, PyObject* weak) {
+bool KeepBufferOnRecord(PyObject* entry, HeldBuffer* buffer, uintptr_t weak) {
   if (Py_TYPE(entry) != g_entry_type) return false;
   auto* e = reinterpret_cast<PyEntry*>(entry);
   if (e->buffer_on_record) return false;
@@ -164,8 +165,8 @@ bool KeepBufferOnRecord(PyObject* entry, HeldBuffer* buffer, PyObject* weak) {
 void EntryDealloc(PyObject* self) {
   auto* e = reinterpret_cast<PyEntry*>(self);
   if (e->buffer_on_record) RecordOf(e).held.reset();  // an open verdict reads the tensor's own
+  if (e->weak != 0) WeakTensorDrop(e->weak);  // before the inner: see EntryLetGoOfDead
   Py_CLEAR(e->inner);
-  Py_CLEAR(e->weak);
   Py_CLEAR(e->tensor);
   Py_CLEAR(e->record);
   PyTypeObject* type = Py_TYPE(self);
@@ -177,9 +178,13 @@ Py_ssize_t EntryLength(PyObject*) { return 2; }
 
 // The entry's tensor (a new reference): the weakened one while it lives.
 PyObject* EntryTensorRef(PyEntry* e) {
-  PyObject* t = e->weak ? PyWeakref_GetObject(e->weak) : e->tensor;  // borrowed
-  Py_INCREF(t);
-  return t;
+  if (e->weak != 0) {
+    PyObject* t = WeakTensorObject(e->weak);
+    if (t != nullptr || PyErr_Occurred()) return t;
+    Py_RETURN_NONE;  // the tensor died
+  }
+  Py_INCREF(e->tensor);
+  return e->tensor;
 }
 
 PyObject* EntryItem(PyObject* self, Py_ssize_t i) {
@@ -290,49 +295,49 @@ PyObject* NewEntry(PyObject* tensor, PyObject* record) {
   Py_INCREF(record);
   e->tensor = tensor;
   e->record = record;
-  e->weak = nullptr;
+  e->weak = 0;
   e->inner = nullptr;
   e->buffer_on_record = false;
   return o;
 }
 
 bool ReleaseEntryTensor(PyObject* entry, HeldBuffer* buffer) {
-  return KeepBufferOnRecord(entry, buffer, /*weak=*/nullptr);
+  return KeepBufferOnRecord(entry, buffer, /*weak=*/0);
 }
 
 bool WeakenEntryTensor(PyObject* entry, HeldBuffer* buffer) {
   if (Py_TYPE(entry) != g_entry_type) return false;
   PyObject* t = reinterpret_cast<PyEntry*>(entry)->tensor;
   if (t == Py_None) return false;
-  PyObject* weak = PyWeakref_NewRef(t, nullptr);
-  if (!weak) {
-    PyErr_Clear();  // a tensor class without weak references: kept
-    return false;
-  }
-  // Out of the garbage collector's sight, as entries and records are: one
-  // reference without a callback holds nothing strongly, so it can close no
-  // cycle, and tracked it would be one more object per held donor and step
-  // for every collection to scan and promote (benchmarks/README.md, "A
-  // bound for the held loop").  A basic reference is shared with any other
-  // taker of `t`'s: none of them can hold anything either.
-  if (PyObject_GC_IsTracked(weak)) PyObject_GC_UnTrack(weak);
+  // No Python weak reference: c10's weak count on the TensorImpl, which
+  // makes no object for the collector to count (a Python one made every
+  // held step of bench_async.py's 400 donors cross its threshold).
+  const uintptr_t weak = WeakTensorTake(t);
+  if (weak == 0) return false;  // kept
   if (KeepBufferOnRecord(entry, buffer, weak)) return true;
-  Py_DECREF(weak);
+  WeakTensorDrop(weak);
   return false;
 }
 
 bool EntryKeepInner(PyObject* entry, PyObject* inner) {
   if (Py_TYPE(entry) != g_entry_type) return false;
   auto* e = reinterpret_cast<PyEntry*>(entry);
-  if (e->weak == nullptr || e->inner != nullptr) return false;
+  if (e->weak == 0 || e->inner != nullptr) return false;
   e->inner = inner;
   return true;
 }
 
-void EntryDropDeadInner(PyObject* entry) {
+void EntryLetGoOfDead(PyObject* entry) {
   if (Py_TYPE(entry) != g_entry_type) return;
   auto* e = reinterpret_cast<PyEntry*>(entry);
-  if (e->inner != nullptr && PyWeakref_GetObject(e->weak) == Py_None) Py_CLEAR(e->inner);
+  if (e->weak == 0 || WeakTensorAlive(e->weak)) return;
+  // The wrapper's TensorImpl first: it holds the inner one until its memory
+  // goes, and the inner's Python object must die with nothing else
+  // holding it (else torch keeps it for that holder, and destroys it later
+  // inside that holder's deallocation).
+  WeakTensorDrop(e->weak);
+  e->weak = 0;
+  Py_CLEAR(e->inner);
 }
 
 const HeldBuffer* EntryBuffer(PyObject* entry) {
@@ -346,7 +351,7 @@ bool EntryTensorAlive(PyObject* entry) {
   if (Py_TYPE(entry) != g_entry_type) return true;
   auto* e = reinterpret_cast<PyEntry*>(entry);
   if (!e->buffer_on_record) return true;
-  return e->weak != nullptr && PyWeakref_GetObject(e->weak) != Py_None;
+  return e->weak != 0 && WeakTensorAlive(e->weak);
 }
 
 void PrefetchEntries(PyObject* list) {

@@ -48,10 +48,10 @@ bool EntryParts(PyObject* o, PyObject** tensor, PyObject** record);
 // (the buffer not taken) if `entry` is no Entry or was released or
 // weakened already.
 bool ReleaseEntryTensor(PyObject* entry, HeldBuffer* buffer);
-// The same for a tensor someone else holds, kept through a weak reference:
-// indexing or unpacking the entry gives the tensor while it lives, then
-// None; native code reading the entry in place (EntryParts) sees None.
-// Also false if its tensor takes no weak reference.
+// The same for a tensor someone else holds, kept weakly (variable.h
+// WeakTensorTake): indexing or unpacking the entry gives the tensor while
+// it lives, then None; native code reading the entry in place (EntryParts)
+// sees None.  Also false if the tensor cannot be kept weakly.
 bool WeakenEntryTensor(PyObject* entry, HeldBuffer* buffer);
 // Keeps the inner tensor `inner` (a new reference, which it takes) that
 // poisoning a weakened Entry's functional tensor made (outcomes/poison.h
@@ -62,11 +62,12 @@ bool WeakenEntryTensor(PyObject* entry, HeldBuffer* buffer);
 // False, nothing taken, for no Entry, one not weakened, or one that keeps
 // an inner already.
 bool EntryKeepInner(PyObject* entry, PyObject* inner);
-// Lets go of the inner an Entry keeps once its weakened tensor died (a
-// barrier's release_unheld, before its real execution: the inner's
-// XLATensor would otherwise live through that execution, one more tensor
-// for torch_xla to walk).  Nothing for anything else.
-void EntryDropDeadInner(PyObject* entry);
+// Lets go of what an Entry keeps of its weakened tensor once that died:
+// the weak reference (which keeps the TensorImpl's memory, and what it
+// holds) and the inner (a barrier's release_unheld, before its walks: the
+// XLATensors would otherwise live through the barrier, more tensors for
+// torch_xla to walk).  Nothing for anything else.
+void EntryLetGoOfDead(PyObject* entry);
 // The buffer a released or weakened Entry keeps, or nullptr (a tuple, an
 // entry holding its tensor, one whose verdict is in).
 const HeldBuffer* EntryBuffer(PyObject* entry);

@@ -30,8 +30,8 @@ constexpr const char* kWrapSymbol = "_Z16THPVariable_WrapRKN2at10TensorBaseE";
 
 std::atomic<bool> g_native_inner{true};  // tests turn it off: the builtin's path
 
-WrapFn Wrap() {
-  if (!g_native_inner.load(std::memory_order_relaxed)) return nullptr;
+// torch's THPVariable_Wrap, or nullptr when it cannot be found.
+WrapFn TorchWrap() {
   static const WrapFn wrap = []() -> WrapFn {
     void* lib = dlopen("libtorch_python.so", RTLD_LAZY | RTLD_NOLOAD);
     if (lib == nullptr) return nullptr;
@@ -41,6 +41,11 @@ WrapFn Wrap() {
   }();
   return wrap;
 }
+
+// The same, unless a test turned FunctionalInnerObject's native path off.
+WrapFn Wrap() { return g_native_inner.load(std::memory_order_relaxed) ? TorchWrap() : nullptr; }
+
+c10::TensorImpl* ImplAt(uintptr_t impl) { return reinterpret_cast<c10::TensorImpl*>(impl); }
 
 }  // namespace
 
@@ -53,6 +58,33 @@ PyObject* FunctionalInnerObject(PyObject* t) {
 }
 
 bool FunctionalInnerIsNative() { return Wrap() != nullptr; }
+
+uintptr_t WeakTensorTake(PyObject* t) {
+  if (TorchWrap() == nullptr) return 0;
+  c10::TensorImpl* impl = THPVariable_Unpack(t).unsafeGetTensorImpl();
+  c10::raw::weak_intrusive_ptr::incref(impl);
+  return reinterpret_cast<uintptr_t>(impl);
+}
+
+void WeakTensorDrop(uintptr_t impl) { c10::raw::weak_intrusive_ptr::decref(ImplAt(impl)); }
+
+bool WeakTensorAlive(uintptr_t impl) {
+  // A TensorImpl keeps its Python object's address while that object
+  // lives (torch clears it when the object dies without being kept).
+  return c10::raw::weak_intrusive_ptr::use_count(ImplAt(impl)) > 0 &&
+         ImplAt(impl)->pyobj_slot()->_unchecked_untagged_pyobj() != nullptr;
+}
+
+PyObject* WeakTensorObject(uintptr_t impl) {
+  c10::TensorImpl* locked = c10::raw::weak_intrusive_ptr::lock(ImplAt(impl));
+  if (locked == nullptr) return nullptr;
+  const at::Tensor tensor(
+      c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>::reclaim(locked));
+  if (locked->pyobj_slot()->_unchecked_untagged_pyobj() == nullptr) return nullptr;
+  // torch's own wrap: it gives back the object the TensorImpl keeps, and
+  // hands it back to Python if C++ owned it meanwhile.
+  return TorchWrap()(tensor);
+}
 
 void SetFunctionalInnerNative(bool on) { g_native_inner.store(on, std::memory_order_relaxed); }
 

@@ -25,6 +25,26 @@ uintptr_t VariableImplAddress(PyObject* t);
 // tensor or that function cannot be found: call the builtin then.
 PyObject* FunctionalInnerObject(PyObject* t);
 
+// Weak references to a tensor kept in c10's own count on its TensorImpl,
+// not in a Python weak reference: a Python object is one more allocation
+// the garbage collector counts, and in a loop that holds its old state
+// through the barrier the plugin's per-donor objects were what pushed every
+// step over the collector's threshold (benchmarks/README.md).
+//
+// Takes a weak reference to `t`'s TensorImpl and returns its address, or 0
+// (nothing taken) when the Python object could not be found again
+// (torch's THPVariable_Wrap not found).
+uintptr_t WeakTensorTake(PyObject* t);
+// Lets go of a reference WeakTensorTake took.  May destroy the TensorImpl
+// (what the tensor held until then); needs the GIL.
+void WeakTensorDrop(uintptr_t impl);
+// Whether the tensor still lives: its TensorImpl, and a Python object for
+// it (the one the user holds, or the one torch keeps for a TensorImpl that
+// C++ still holds), as a Python weak reference to that object would say.
+bool WeakTensorAlive(uintptr_t impl);
+// That Python object (a new reference), or nullptr, no error, once it died.
+PyObject* WeakTensorObject(uintptr_t impl);
+
 // Whether FunctionalInnerObject found torch's THPVariable_Wrap (and is on).
 bool FunctionalInnerIsNative();
 // Off: FunctionalInnerObject answers nullptr, so poisoning calls the builtin

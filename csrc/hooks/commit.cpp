@@ -189,7 +189,7 @@ size_t ReleaseUnheld(py::list donors) {
     PyObject* entry = PyList_GET_ITEM(donors.ptr(), i);
     PyObject* rec;
     released += ReleaseIfUnheld(entry, TensorOf(entry, &rec));
-    EntryDropDeadInner(entry);
+    EntryLetGoOfDead(entry);
   }
   return released;
 }
