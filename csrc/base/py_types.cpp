@@ -165,7 +165,7 @@ bool KeepBufferOnRecord(PyObject* entry, HeldBuffer* buffer, uintptr_t weak) {
 void EntryDealloc(PyObject* self) {
   auto* e = reinterpret_cast<PyEntry*>(self);
   if (e->buffer_on_record) RecordOf(e).held.reset();  // an open verdict reads the tensor's own
-  if (e->weak != 0) WeakTensorDrop(e->weak);  // before the inner: see EntryLetGoOfDead
+  if (e->weak != 0) WeakTensorDrop(e->weak);          // before the inner: see EntryLetGoOfDead
   Py_CLEAR(e->inner);
   Py_CLEAR(e->tensor);
   Py_CLEAR(e->record);
