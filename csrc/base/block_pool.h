@@ -19,6 +19,8 @@
 // control block in one pooled block.
 #pragma once
 
+#include <pthread.h>
+
 #include <atomic>
 #include <cstddef>
 #include <thread>
@@ -51,9 +53,15 @@ class BlockPool {
   }
 
   // One pool per size for the whole process, leaked on purpose: blocks may
-  // be freed by objects destroyed after static destructors ran.
+  // be freed by objects destroyed after static destructors ran.  A child
+  // forked while another thread (the reaper) held the lock starts with it
+  // free: the list itself is whole between a push or pop.
   static BlockPool& Global() {
-    static BlockPool* pool = new BlockPool();
+    static BlockPool* pool = [] {
+      auto* p = new BlockPool();
+      pthread_atfork(nullptr, nullptr, [] { Global().Unlock(); });
+      return p;
+    }();
     return *pool;
   }
 
