@@ -1,5 +1,5 @@
 // BlockPool: recycled memory for the small objects a step makes per donor
-// (its Record, the buffer a verdict keeps).
+// (its Record, the buffer a verdict keeps, a poisoned tensor's record tag).
 //
 // The problem: a loop donating 400 tensors makes 400 of each in a burst at
 // marking or at the barrier, and frees them in a burst a step later.  glibc
@@ -11,9 +11,8 @@
 // Here: freed blocks of one size are kept on a list (up to kMaxFree) and
 // handed out again, under a spin lock held for a push or a pop only (blocks
 // may be freed on any thread: the reaper's, autograd's; a mutex costs more
-// than the allocation it saves).  Other sizes go to operator new.  Blocks are never
-// returned to the heap while the process lives, and at most kMaxFree of
-// them are kept.
+// than the allocation it saves).  One pool per block size; beyond kMaxFree
+// free blocks, a freed one goes back to the heap.
 //
 // PoolAllocator<T> lets std::allocate_shared place a Record and its
 // control block in one pooled block.

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <iterator>
 #include <vector>
 
 namespace torch_xla_donate {
@@ -40,7 +41,6 @@ class Dims {
   const int64_t* begin() const { return size_ <= kInline ? inline_ : heap_.data(); }
   const int64_t* end() const { return begin() + size_; }
   int64_t operator[](size_t i) const { return begin()[i]; }
-  std::vector<int64_t> vector() const { return std::vector<int64_t>(begin(), end()); }
 
  private:
   size_t size_ = 0;
