@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch_xla
 import torch_xla.core.xla_model as xm
-from helpers import buffer_ptr, materialize
+from helpers import buffer_ptr, materialize, run_python
 
 import torch_xla_donate as tdx
 import torch_xla_donate._outcomes.verdicts
@@ -316,3 +316,93 @@ def test_the_memory_is_bounded_and_forget_empties_it(monkeypatch):
     assert [warned(first), warned(second)] == [0, 1]
     unused.forget()
     assert not unused._said and warned(first) == 1
+
+
+@pytest.mark.parametrize("donor_is", ["t1", "t2"])
+@pytest.mark.parametrize("wait", ["sync", "sync(wait=False)"])
+@pytest.mark.parametrize("fate", ["reused", "unused"])
+def test_swap_tensors_moves_the_poison_with_the_value(dev, reads_path, fate, wait, donor_is):
+    """``torch.utils.swap_tensors`` with a donated tensor, its verdict known
+    or still in flight, on either side: the tensor that holds the donated
+    value afterwards is the poisoned one (or, the donation unused, a plain
+    tensor with that value), the other is plain, and nothing is lost.  In
+    flight, the swap settles the verdict first (an entry's weak hold on the
+    TensorImpl made torch refuse the swap half-way, classes exchanged)."""
+    x = materialize(torch.arange(8.0, device=dev))
+    other = materialize(torch.full((8,), 7.0, device=dev))
+    tdx.donate_buffer(x)
+    y = x * 2 + 1 if fate == "reused" else x.sum()
+    torch_xla.sync(wait=wait == "sync")
+    t1, t2 = (x, other) if donor_is == "t1" else (other, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tdx.UnusedDonationWarning)
+        torch.utils.swap_tensors(t1, t2)
+    assert type(x) is torch.Tensor and x.cpu().tolist() == [7.0] * 8
+    if fate == "reused":
+        assert type(other) is not torch.Tensor and tdx.is_deleted(other)
+        with pytest.raises(tdx.DonatedBufferError):
+            other + 1
+        assert y.cpu().tolist() == [2.0 * i + 1 for i in range(8)]
+    else:
+        assert type(other) is torch.Tensor and other.cpu().tolist() == list(range(8))
+        assert y.item() == 28.0
+    tdx.settle()
+    assert not torch_xla_donate._outcomes.verdicts._in_flight
+
+
+def test_a_module_conversion_that_swaps_parameters_after_an_unused_donation(dev, reads_path):
+    """With ``set_swap_module_params_on_conversion(True)`` a module's
+    conversion swaps each parameter with its converted copy.  After a step
+    not waited for whose donations of those parameters went unused, the
+    conversion's first use settles them, and the swap that follows goes
+    through: the module converts with its values intact."""
+    m = torch.nn.Linear(4, 4).to(dev)
+    for p in m.parameters():
+        materialize(p)
+    want = [p.detach().cpu().double() for p in m.parameters()]
+    tdx.donate(list(m.parameters()))
+    total = sum(p.sum() for p in m.parameters())  # no output of any parameter's size
+    torch_xla.sync(wait=False)
+    was = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", tdx.UnusedDonationWarning)
+            m.to(torch.float64)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(was)
+    got = [p.detach().cpu() for p in m.parameters()]
+    assert all(type(p) is torch.nn.Parameter for p in m.parameters())
+    assert all(g.dtype == torch.float64 and torch.equal(g, w) for g, w in zip(got, want))
+    assert abs(total.item() - float(sum(w.sum() for w in want))) < 1e-4
+
+
+_SWAP_WITHOUT_FUNCTIONALIZATION = """
+import warnings, torch, torch_xla
+import torch_xla_donate as tdx
+dev = torch_xla.device()
+assert not torch._is_functional_tensor(torch.ones(1, device=dev))
+warnings.simplefilter("ignore", tdx.UnusedDonationWarning)
+for fate in ("reused", "unused"):
+    for wait in (True, False):
+        x = torch.arange(8.0, device=dev) + 0
+        other = torch.full((8,), 7.0, device=dev) + 0
+        torch_xla.sync()
+        tdx.donate_buffer(x)
+        y = x * 2 + 1 if fate == "reused" else x.sum()
+        torch_xla.sync(wait=wait)
+        torch.utils.swap_tensors(x, other)
+        dead = type(other) is not torch.Tensor and tdx.is_deleted(other)
+        value = None if dead else other.cpu().tolist()
+        print(fate, wait, type(x) is torch.Tensor and x.cpu().tolist() == [7.0] * 8, dead,
+              value == list(range(8)))
+"""
+
+
+def test_swap_tensors_moves_the_poison_without_functionalization():
+    """The same with ``XLA_DISABLE_FUNCTIONALIZATION=1``: the tensor the user
+    holds is the one torch_xla computes with."""
+    out = run_python(_SWAP_WITHOUT_FUNCTIONALIZATION,
+                     env={"XLA_DISABLE_FUNCTIONALIZATION": "1"}).stdout.split("\n")
+    assert out[:4] == ["reused True True True False", "reused False True True False",
+                       "unused True True False True", "unused False True False True"], out

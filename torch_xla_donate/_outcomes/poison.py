@@ -81,6 +81,17 @@ class _DonatedTensor:
 
     __str__ = __repr__
 
+    def _use_count(self):
+        """``torch.utils.swap_tensors`` asks both tensors this before it
+        swaps anything (``nn.Module`` conversions with
+        ``torch.__future__.set_swap_module_params_on_conversion(True)``
+        swap too).  An in-flight verdict settles first: its entry's weak hold
+        on the TensorImpl would make torch refuse the swap half-way, classes
+        already exchanged.  Settled, the swap moves the poison with the
+        value, as for any tensor."""
+        settled_consumed(self)
+        return torch.Tensor._use_count(self)
+
 
 class _RefusesOperators(_DonatedTensor):
     """The class of the tensor that carries the dispatch key: the one
