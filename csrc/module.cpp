@@ -36,6 +36,7 @@
 #include "lazy/live_tensors.h"
 #include "lazy/reaper.h"
 #include "marking/marking.h"
+#include "outcomes/donated_key.h"
 #include "outcomes/ownership.h"
 #include "outcomes/poison.h"
 #include "outcomes/record_tag.h"
@@ -127,6 +128,7 @@ PYBIND11_MODULE(_C, m) {
   RegisterLazyReads(m.ptr());
   RegisterLiveTensors(m.ptr());
   RegisterReaper(m.ptr());
+  RegisterDonatedKey(m.ptr());
   RegisterDeadInputs(m.ptr());
 
   m.def(

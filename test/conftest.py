@@ -163,3 +163,21 @@ def reads_path(request, dev, monkeypatch):
         yield request.param
     finally:
         C.lazy_set_enabled(was)
+
+
+@pytest.fixture(params=["key", "python"], ids=["native poison key", "Python poison key"])
+def poison_path(request, dev):
+    """Runs a test once with consumed tensors refused by the plugin's own
+    dispatch key (csrc/outcomes/donated_key.h) and once by its twin, the
+    Python dispatch key (as ``TORCH_XLA_DONATE_NATIVE_POISON=0`` or a failed
+    self-test leaves it).  Yields the path's name."""
+    from torch_xla_donate._base.native import C
+    from torch_xla_donate._outcomes import poison_key
+
+    if not poison_key.decide_key(dev):
+        pytest.fail(f"the native poison key is off in this process: {poison_key.key_state()}")
+    C.set_donated_key_in_use(request.param == "key")
+    try:
+        yield request.param
+    finally:
+        C.set_donated_key_in_use(True)

@@ -59,6 +59,28 @@ PyObject* FunctionalInnerObject(PyObject* t) {
 
 bool FunctionalInnerIsNative() { return Wrap() != nullptr; }
 
+uintptr_t FunctionalInnerImpl(PyObject* t) {
+  const at::Tensor& outer = THPVariable_Unpack(t);
+  if (!at::functionalization::impl::isFunctionalTensor(outer)) return 0;
+  return reinterpret_cast<uintptr_t>(at::functionalization::impl::unsafeGetFunctionalWrapper(outer)
+                                         ->value()
+                                         .unsafeGetTensorImpl());
+}
+
+bool FunctionalInnerHasObject(PyObject* t) {
+  const uintptr_t inner = FunctionalInnerImpl(t);
+  return inner != 0 && ImplAt(inner)->pyobj_slot()->_unchecked_untagged_pyobj() != nullptr;
+}
+
+PyObject* WrapTensor(const at::TensorBase& t) {
+  const WrapFn wrap = TorchWrap();
+  if (wrap == nullptr) {
+    PyErr_SetString(PyExc_RuntimeError, "torch's THPVariable_Wrap was not found");
+    return nullptr;
+  }
+  return wrap(t);
+}
+
 uintptr_t WeakTensorTake(PyObject* t) {
   if (TorchWrap() == nullptr) return 0;
   c10::TensorImpl* impl = THPVariable_Unpack(t).unsafeGetTensorImpl();

@@ -11,6 +11,10 @@
 
 #include <cstdint>
 
+namespace at {
+class TensorBase;
+}
+
 namespace torch_xla_donate {
 
 // The address of `t`'s c10::TensorImpl (what `t._cdata` gives).  `t` must
@@ -24,6 +28,18 @@ uintptr_t VariableImplAddress(PyObject* t);
 // libtorch_python.  nullptr, with no error set, when `t` is no functional
 // tensor or that function cannot be found: call the builtin then.
 PyObject* FunctionalInnerObject(PyObject* t);
+
+// The address of the TensorImpl the functional wrapper `t` wraps (the one
+// torch_xla computes with), or 0 when `t` is no functional tensor.
+uintptr_t FunctionalInnerImpl(PyObject* t);
+
+// Whether the tensor the functional wrapper `t` wraps has a Python object
+// (false for anything else): tests of poisoning, which makes none.
+bool FunctionalInnerHasObject(PyObject* t);
+
+// torch's THPVariable_Wrap: the Python object of `t` (a new reference, made
+// if it has none), or nullptr with an error when that function is missing.
+PyObject* WrapTensor(const at::TensorBase& t);
 
 // Weak references to a tensor kept in c10's own count on its TensorImpl,
 // not in a Python weak reference: a Python object is one more allocation

@@ -9,6 +9,7 @@
 #include "base/tensor_access.h"
 #include "base/tensor_facts.h"
 #include "base/variable.h"
+#include "outcomes/donated_key.h"
 #include "outcomes/record_tag.h"
 
 namespace torch_xla_donate {
@@ -111,6 +112,17 @@ int Poison(PyObject* t, PyObject* record, PyObject** keep_inner) {
   if (Facts(t, &facts, /*with_sizes=*/false) != 1) {
     PyErr_SetString(PyExc_TypeError, "expected a torch.Tensor");
     return -1;
+  }
+  if (DonatedKeyInUse()) {
+    // The donated key on the TensorImpl torch_xla computes with
+    // (donated_key.h): no Python object for it, nothing for an entry to keep.
+    const uintptr_t core = facts.is_functional ? FunctionalInnerImpl(t) : ImplAddress(t);
+    if (core == 0 || !TagRecord(core, r)) {
+      PyErr_SetString(PyExc_TypeError, "cannot tag this tensor with its donation record");
+      return -1;
+    }
+    SetDonatedKey(core, true);
+    return TakeTwinClass(t, /*refuses_operators=*/false);
   }
   PyObject* inner = t;
   if (facts.is_functional) {

@@ -9,7 +9,7 @@ import torch_xla
 from helpers import materialize
 
 from torch_xla_donate import _C
-from torch_xla_donate._outcomes import poison
+from torch_xla_donate._outcomes import poison, poison_key
 from torch_xla_donate.errors import DonatedBufferError
 
 
@@ -23,16 +23,21 @@ def consumed_record():
     return record
 
 
-@pytest.fixture(params=["native inner", "builtin inner"])
+@pytest.fixture(params=["native key", "Python key, native inner", "Python key, builtin inner"])
 def donated(request, consumed_record, dev):
-    """A poisoned tensor; the tensor it wraps found natively (variable.h) or
-    by torch's builtin, the fallback: both paths give one behaviour."""
-    _C.set_functional_inner_native(request.param == "native inner")
+    """A poisoned tensor, refused by the plugin's dispatch key
+    (donated_key.h) or by its twin, the Python dispatch key, with the tensor
+    it wraps found natively (variable.h) or by torch's builtin: every path
+    gives one behaviour."""
+    assert poison_key.decide_key(dev), poison_key.key_state()
+    _C.set_donated_key_in_use(request.param == "native key")
+    _C.set_functional_inner_native(request.param != "Python key, builtin inner")
     try:
         t = materialize(torch.ones(2, 3, device=dev))
         poison.poison(t, consumed_record)
     finally:
         _C.set_functional_inner_native(True)
+        _C.set_donated_key_in_use(True)
     return t
 
 

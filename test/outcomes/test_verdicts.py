@@ -321,7 +321,8 @@ def test_the_memory_is_bounded_and_forget_empties_it(monkeypatch):
 @pytest.mark.parametrize("donor_is", ["t1", "t2"])
 @pytest.mark.parametrize("wait", ["sync", "sync(wait=False)"])
 @pytest.mark.parametrize("fate", ["reused", "unused"])
-def test_swap_tensors_moves_the_poison_with_the_value(dev, reads_path, fate, wait, donor_is):
+def test_swap_tensors_moves_the_poison_with_the_value(dev, reads_path, poison_path, fate, wait,
+                                                     donor_is):
     """``torch.utils.swap_tensors`` with a donated tensor, its verdict known
     or still in flight, on either side: the tensor that holds the donated
     value afterwards is the poisoned one (or, the donation unused, a plain
@@ -332,10 +333,10 @@ def test_swap_tensors_moves_the_poison_with_the_value(dev, reads_path, fate, wai
     other = materialize(torch.full((8,), 7.0, device=dev))
     tdx.donate_buffer(x)
     y = x * 2 + 1 if fate == "reused" else x.sum()
-    torch_xla.sync(wait=wait == "sync")
     t1, t2 = (x, other) if donor_is == "t1" else (other, x)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", tdx.UnusedDonationWarning)
+        torch_xla.sync(wait=wait == "sync")
         torch.utils.swap_tensors(t1, t2)
     assert type(x) is torch.Tensor and x.cpu().tolist() == [7.0] * 8
     if fate == "reused":

@@ -94,7 +94,7 @@ from .._base.errors import DroppedDonationWarning
 from .._base.lock import lock
 from .._base.messages import Notices
 from .._base.native import C
-from .._outcomes import auto, failures, ownership, sharing, verdicts
+from .._outcomes import auto, failures, ownership, poison_key, sharing, verdicts
 from .._outcomes import devices as _devices
 
 __all__ = ["barrier_before", "barrier_after", "begin", "decide", "undecided", "split", "arm",
@@ -301,6 +301,8 @@ def finish(device, donors, notices, certain: bool) -> None:
     (the step's results are intact; operators on the tensor still raise
     ``DonatedBufferError``, which the tensor torch_xla computes with carries).
     """
+    if donors:
+        poison_key.decide_key(device)  # once: how poisoning refuses operators
     failed = C.disarm_and_poison(donors, release=xla.local_device_count() == 1)
     if failed:
         notices.fail(_unpoisoned_error(failed))

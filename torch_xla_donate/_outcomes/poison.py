@@ -12,9 +12,12 @@ which step::
     DonatedBufferError: This tensor (f32[4096,4096], 67108864 bytes) was ...
 
 How: every operator reaches torch_xla's tensor through c10's dispatcher.
-Poisoning turns on c10's Python dispatch key of that tensor (for torch_xla's
-default functional tensors, the XLA tensor the functional wrapper holds) and
-gives its Python object a class whose ``__torch_dispatch__`` raises.  So the
+Poisoning gives that tensor (for torch_xla's default functional tensors, the
+XLA tensor the functional wrapper holds) a dispatch key of the plugin's,
+whose native fallback hands the donated arguments to ``on_donated_dispatch``
+(csrc/outcomes/donated_key.h); where that key cannot be used, its twin:
+c10's Python dispatch key, and a class whose ``__torch_dispatch__`` raises
+for the tensor's Python object.  So the
 error comes from the dispatcher itself, whoever calls the operator: Python
 code, ``torch.func.vmap``/``grad``, ``torch.jit.trace``, autograd's backward,
 ``Tensor.set_``, ``Tensor._make_subclass``.  The tensor the user holds also
@@ -44,7 +47,7 @@ from .._base.native import C
 
 __all__ = ["poison", "unpoison", "is_poisoned", "donation_record", "donated_error",
            "check_poisonable", "consumed", "settled_consumed", "first_consumed",
-           "refuse_consumed", "donated_in", "inner", "set_settler"]
+           "refuse_consumed", "donated_in", "inner", "set_settler", "on_donated_dispatch"]
 
 # Settles an in-flight tensor's verdict before a use goes on: verdicts.py's
 # settle_one, which imports this module, so _outcomes/__init__.py hands it
@@ -93,6 +96,21 @@ class _DonatedTensor:
         return torch.Tensor._use_count(self)
 
 
+def on_donated_dispatch(tensors, refill_first: bool) -> None:
+    """What an operator does with donated tensors among its arguments (the
+    donated key's fallback calls it, with the tensors torch_xla computes
+    with; ``_RefusesOperators.__torch_dispatch__`` does the same): raises
+    the ``DonatedBufferError`` of the first consumed one, unless it is the
+    first argument of a refill (``refill_first``: ``t.copy_(s)``, which then
+    gives it its value back); one whose donation went unused loses its
+    poison.  Returns: the operator goes on."""
+    for i, t in enumerate(tensors):
+        if settled_consumed(t) and not (refill_first and i == 0):
+            raise donated_error(t)
+    if refill_first and is_poisoned(tensors[0]):
+        unpoison(tensors[0])
+
+
 class _RefusesOperators(_DonatedTensor):
     """The class of the tensor that carries the dispatch key: the one
     torch_xla computes with.  Kept off the wrapper the user holds, so that
@@ -108,15 +126,13 @@ class _RefusesOperators(_DonatedTensor):
                 return func(*args, **kwargs)
         donated = donated_in(args, kwargs)
         # A refill writes into its first argument; a donated tensor anywhere
-        # else in the call (``t.copy_(t)`` too) is read.
+        # else in the call (``t.copy_(t)`` too) is read.  Its value is then
+        # the source's (torch_xla's ``copy`` writes into its first argument
+        # and returns it, as ``copy_`` does).
         refill = func in _REFILLS and sum(x is args[0] for x in donated) == 1
-        for t in donated:
-            if settled_consumed(t) and not (refill and t is args[0]):
-                raise donated_error(t)
-        if refill and is_poisoned(args[0]):
-            # Its value is now the source's (torch_xla's ``copy`` writes into
-            # its first argument and returns it, as ``copy_`` does).
-            unpoison(args[0])
+        if refill:
+            donated = [args[0]] + [x for x in donated if x is not args[0]]
+        on_donated_dispatch(donated, refill)
         # Every donated argument turned out unused and lost its poison.
         return func(*args, **kwargs)
 
@@ -186,6 +202,11 @@ def poison(t: torch.Tensor, record, note: str = "") -> None:
     # The tensor torch_xla computes with first: once it refuses operators,
     # the value is safe whatever happens to the wrapper.
     C.tag_record(core, record, note)
+    if C.donated_key_in_use():  # decided at the first commit (poison_key.py)
+        C.set_donated_key(core, True)
+        if not isinstance(t, _DonatedTensor):
+            _set_class(t, _poison_class_for(type(t)))
+        return
     for x in reversed(_both(t, core)):
         if not isinstance(x, _DonatedTensor):
             _set_class(x, _poison_class_for(type(x), refuses_operators=x is core))
@@ -196,7 +217,10 @@ def poison(t: torch.Tensor, record, note: str = "") -> None:
 def unpoison(t: torch.Tensor) -> None:
     """Gives ``t`` back its class and dispatch key: its donation went unused."""
     core = inner(t)
-    C.set_python_dispatch(core, False)
+    if C.has_donated_key(core):
+        C.set_donated_key(core, False)
+    if isinstance(core, _RefusesOperators):
+        C.set_python_dispatch(core, False)
     C.untag_record(core)  # the one tag poisoning gave (``poison``)
     for x in _both(t, core):
         if isinstance(x, _DonatedTensor):
@@ -245,7 +269,10 @@ def _both(t, core=None):
 
 
 def is_poisoned(t) -> bool:
-    return isinstance(t, _DonatedTensor)
+    """The user's tensor by its class; the tensor torch_xla computes with
+    (an operator's argument) by the donated key, or its class."""
+    return isinstance(t, _DonatedTensor) or (isinstance(t, torch.Tensor)
+                                             and C.has_donated_key(t))
 
 
 def donation_record(t):

@@ -53,7 +53,7 @@ import warnings
 
 from .._base import arena, reads, xla, xla_cpu
 from .._base.native import C
-from . import auto, verdicts
+from . import auto, poison_key, verdicts
 
 # What a report is (its dataclasses) lives in step_report.py; here, where
 # its numbers come from and where they go.
@@ -119,6 +119,7 @@ def summary() -> Summary:
         cpu_guard=xla_cpu.describe(),
         reads=reads.path(),
         live_tensors=arena.state(),
+        poisoning=poison_key.key_state(),
         auto=auto.describe_totals(_size),
     )
 
@@ -145,13 +146,15 @@ def metrics_report() -> str:
       plugin asks torch_xla about tensors ("native reads" or "_XLAC
       (<why>)"), ``LiveTensorRegistry``, whether copies made in the
       donating step are found by walking torch_xla's live tensors ("in
-      use", "off (<why>)": searched in Python), and on XLA:CPU ``XlaCpuXnnpackGuard``, the XNNPACK guard's
+      use", "off (<why>)": searched in Python), ``Poisoning``, how a
+      consumed tensor refuses operators, and on XLA:CPU ``XlaCpuXnnpackGuard``, the XNNPACK guard's
       state and what it means.
     """
     totals = C.totals()
     text = "".join(f"Counter: {name}\n  Value: {totals[field]}\n" for name, field in COUNTERS.items())
     text += f"Setting: TensorReads\n  Value: {reads.path()}\n"
     text += f"Setting: LiveTensorRegistry\n  Value: {arena.state()}\n"
+    text += f"Setting: Poisoning\n  Value: {poison_key.key_state()}\n"
     if xla_cpu.state() != "none":
         text += f"Setting: XlaCpuXnnpackGuard\n  Value: {xla_cpu.state()} ({xla_cpu.describe()})\n"
     return text

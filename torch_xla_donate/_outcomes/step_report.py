@@ -128,6 +128,9 @@ class Summary:
     # donating step: "in use", "off (<why>)" or "not decided yet"
     # (_base/arena.py); off, every barrier's donors are searched in Python.
     live_tensors: str = ""
+    # How a consumed tensor refuses operators: "native dispatch key" or
+    # "Python dispatch key (<why>)" (_outcomes/poison.py).
+    poisoning: str = ""
     # Automatic donation of dead step inputs (auto.py), in words; "" if none.
     auto: str = ""
 
@@ -173,4 +176,6 @@ class Summary:
             lines.append(f"  live-tensor registry walk: {self.live_tensors}")
         if self.reads:
             lines.append(f"  tensor reads: {self.reads}")
+        if self.poisoning:
+            lines.append(f"  poisoning: {self.poisoning}")
         return "\n".join(lines)
