@@ -1,4 +1,6 @@
 """Helpers shared by the tests (fixtures live in conftest.py)."""
+import contextlib
+import gc
 import os
 import subprocess
 import sys
@@ -50,6 +52,19 @@ class Wrapper(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         raise NotImplementedError(func)
+
+
+@contextlib.contextmanager
+def collector_off():
+    """Python's garbage collector run once, then held off for the block:
+    for counts of the whole process (live XLA tensors, the collector's own
+    count), which an earlier test's objects freed mid-block would move."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 def materialize(*tensors):

@@ -1,7 +1,6 @@
 // See donated_key.h.
 #include "outcomes/donated_key.h"
 
-#include <ATen/FunctionalTensorWrapper.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 #include <c10/core/TensorImpl.h>
@@ -170,10 +169,8 @@ std::string SelfTestDonatedKey(PyObject* probe) {
   std::string why = RegisterFallback();
   if (!why.empty()) return why;
   const at::Tensor& outer = THPVariable_Unpack(probe);
-  at::Tensor core = at::functionalization::impl::isFunctionalTensor(outer)
-                        ? at::functionalization::impl::unsafeGetFunctionalWrapper(outer)->value()
-                        : outer;
-  const uintptr_t impl = reinterpret_cast<uintptr_t>(core.unsafeGetTensorImpl());
+  uintptr_t impl = FunctionalInnerImpl(probe);  // the TensorImpl poisoning keys
+  if (impl == 0) impl = ImplAddress(probe);
   auto record = std::make_shared<Record>();
   if (!TagRecord(impl, record)) return "the probe could not be tagged";
   bool refused = false;

@@ -7,12 +7,10 @@ The tricky case: a copy made since the last barrier holds the donor's own
 device-data node as its IR value, exactly as the donor does; a ``t * 2``
 reads that node too but is computed anew.  Only the first is a holder.
 """
-import gc
-
 import pytest
 import torch
 import torch_xla
-from helpers import COPIES, materialize, run_python
+from helpers import COPIES, collector_off, materialize, run_python
 
 from torch_xla_donate._base import arena, reads, xla
 from torch_xla_donate._base.native import C
@@ -29,9 +27,7 @@ def walk(dev):
 def test_the_walk_counts_what_torch_xla_counts(walk, dev):
     # The counts are the process's: the collector, were it to run in
     # between, could free an earlier test's tensor left in a reference cycle.
-    gc.collect()
-    gc.disable()
-    try:
+    with collector_off():
         before = C.live_count()
         assert before == xla.live_tensor_count()
         kept = [walk + i for i in range(3)]
@@ -40,8 +36,6 @@ def test_the_walk_counts_what_torch_xla_counts(walk, dev):
         assert {reads.tensor_id(t) for t in kept + [walk]} <= ids
         del kept
         assert C.live_count() == before
-    finally:
-        gc.enable()
 
 
 @pytest.mark.parametrize("copy", list(COPIES))

@@ -12,7 +12,7 @@ import weakref
 import pytest
 import torch
 import torch_xla
-from helpers import buffer_ptr, materialize
+from helpers import buffer_ptr, collector_off, materialize
 
 import torch_xla_donate as tdx
 from torch_xla_donate import _C
@@ -122,17 +122,13 @@ def test_a_held_donor_costs_the_collector_no_object_of_the_ledgers(dev, wait, po
     (A Python weak reference per donor, tracked or not, counted towards the
     collector's threshold: with it ``bench_async.py``'s held loop of 400
     donors crossed it every step, where raw donation never does.)"""
-    import gc
-
     from torch_xla_donate._outcomes import verdicts
 
     n = 100
 
     def step_counted(xs, donate):
         """The step's new objects as the collector counts them (gc off)."""
-        gc.collect()
-        gc.disable()
-        try:
+        with collector_off():
             before = gc.get_count()[0]
             with torch_xla.step() if wait == "step_block" else _nothing():
                 for x in xs if donate else ():
@@ -140,8 +136,6 @@ def test_a_held_donor_costs_the_collector_no_object_of_the_ledgers(dev, wait, po
                 xs = [x * 2 + 1 for x in xs]
                 _barrier(wait)
             return xs, gc.get_count()[0] - before
-        finally:
-            gc.enable()
 
     plain_old = [materialize(torch.arange(16.0, device=dev) + i) for i in range(n)]
     plain, plain_grew = step_counted(plain_old, donate=False)  # the old state held too
@@ -171,13 +165,9 @@ def test_a_poisoned_donor_in_a_reference_cycle_goes_when_the_collector_frees_it(
     either reader path and whether its step was waited for or not.  (Found
     in CI: such a tensor left by one test vanished in the middle of
     another's count of live tensors.)"""
-    import gc
-
     from torch_xla_donate._base import xla
 
-    gc.collect()
-    gc.disable()
-    try:
+    with collector_off():
         x = materialize(torch.arange(8.0, device=dev))
         tdx.donate_buffer(x)
         y = x * 2 + 1
@@ -189,8 +179,6 @@ def test_a_poisoned_donor_in_a_reference_cycle_goes_when_the_collector_frees_it(
         gc.collect()
         torch_xla.sync()
         assert xla.live_tensor_count() == with_cycle - 1
-    finally:
-        gc.enable()
     assert y.cpu().tolist() == [2.0 * i + 1 for i in range(8)]
 
 
@@ -273,9 +261,7 @@ def test_dropped_poisoned_donors_are_gone_before_the_next_barrier_walks(dev, rea
     monkeypatch.setattr(commit, "_begin_fast", counting)
     reused = _C.totals()["reused"]
     tdx.settle()
-    gc.collect()
-    gc.disable()
-    try:
+    with collector_off():
         for _ in range(4):
             for p in state:
                 tdx.donate_buffer(p)
@@ -285,8 +271,6 @@ def test_dropped_poisoned_donors_are_gone_before_the_next_barrier_walks(dev, rea
             assert all(type(o) is not torch.Tensor for o in old), "held through the barrier"
             del old
         tdx.settle()
-    finally:
-        gc.enable()
     kept = n if reads_path == "xlac" and wait != "sync" else 0
     assert live_at_commit == [live_at_commit[0]] + [live_at_commit[0] + kept] * 3, live_at_commit
     assert [p.cpu().tolist() for p in state] == [[i * 16.0 + 15] * 8 for i in range(n)]

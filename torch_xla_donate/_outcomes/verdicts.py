@@ -167,12 +167,14 @@ def settle_one(t, record) -> None:
         # torch_xla sees behind it, which an operator's dispatch hands us.
         # (A released entry's tensor is None: nobody held it, so ``t`` is a
         # companion, ownership.py.)
+        # Settled here, the entry leaves the in-flight list, and once this
+        # returns (the verdict in: its death lets go of what the verdict
+        # reads) its weak hold on the tensor goes with it
+        # (torch.utils.swap_tensors refuses a TensorImpl anything else
+        # holds, even weakly).
         at = next((i for i, e in enumerate(_in_flight) if e[1].id == record.id), None)
-        held = t if at is None or _in_flight[at][0] is None else _in_flight[at][0]
-        # Settled, the entry has nothing left to do: it goes now, and with it
-        # its weak hold on the tensor (torch.utils.swap_tensors refuses a
-        # TensorImpl anything else holds, even weakly).
         entry = _in_flight.pop(at) if at is not None else None
+        held = t if entry is None or entry[0] is None else entry[0]
         if failures.in_failed_step(record):
             failed([(held, record)])
         else:
@@ -184,7 +186,6 @@ def settle_one(t, record) -> None:
                 notify_settled()
                 unused.warn([(held, record)])
                 return
-        del entry
         notify_settled()
 
 
