@@ -34,9 +34,25 @@ FilePtr CodeFile(PyObject* code) {
   return file;
 }
 
+// The last answer, for a loop that marks tensor after tensor from one line:
+// a code object the cache holds (so its address names it) and an offset.
+struct LastHit {
+  PyObject* code = nullptr;
+  int lasti = -1;
+  FilePtr file;
+  int line = 0;
+};
+LastHit g_last;
+
 // File and line of `frame`, through the caches.  False with a Python error.
 bool FrameWhere(PyFrameObject* frame, FilePtr* file, int* line) {
   PyObject* code = reinterpret_cast<PyObject*>(PyFrame_GetCode(frame));  // new ref
+  if (code == g_last.code && PyFrame_GetLasti(frame) == g_last.lasti) {
+    Py_DECREF(code);
+    *file = g_last.file;
+    *line = g_last.line;
+    return true;
+  }
   auto it = g_codes.find(code);
   if (it == g_codes.end()) {
     FilePtr f = CodeFile(code);
@@ -60,6 +76,7 @@ bool FrameWhere(PyFrameObject* frame, FilePtr* file, int* line) {
     *line = PyFrame_GetLineNumber(frame);
     if (info.lines.size() < kMaxCachedLinesPerCode) info.lines.emplace(lasti, *line);
   }
+  g_last = LastHit{it->first, lasti, *file, *line};
   return true;
 }
 

@@ -192,9 +192,24 @@ StepStats* Ledger::FindStatsLocked(int64_t step) {
 void Ledger::Settle(const RecordPtr& record, Verdict verdict) {
   std::unique_ptr<void, void (*)(void*)> held{nullptr, nullptr};  // let go after the lock
   std::lock_guard<std::mutex> lock(mu_);
+  SettleLocked(record.get(), verdict, &held);
+}
+
+void Ledger::SettleAll(const std::vector<Record*>& records, Verdict verdict) {
+  std::vector<std::unique_ptr<void, void (*)(void*)>> held;  // let go after the lock
+  held.reserve(records.size());
+  std::lock_guard<std::mutex> lock(mu_);
+  for (Record* record : records) {
+    held.emplace_back(nullptr, nullptr);
+    SettleLocked(record, verdict, &held.back());
+  }
+}
+
+void Ledger::SettleLocked(Record* record, Verdict verdict,
+                          std::unique_ptr<void, void (*)(void*)>* held) {
   if (record->verdict != Verdict::kInFlight) return;  // settled once only
   record->verdict = verdict;
-  held = std::move(record->held);
+  *held = std::move(record->held);
   ++generation_;
   StepStats* stats = FindStatsLocked(record->step);
   for (StepStats* s : {stats, &totals_}) {

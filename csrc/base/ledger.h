@@ -134,6 +134,9 @@ class Ledger {
 
   // Records the final verdict of one donation of a committed step.
   void Settle(const RecordPtr& record, Verdict verdict);
+  // The same verdict for each of `records`, under one hold of the lock (a
+  // settle pass over a step's donors).
+  void SettleAll(const std::vector<Record*>& records, Verdict verdict);
 
   int64_t current_step() const;
   // Stats of `step`, or of the newest step when step < 0.  False if unknown.
@@ -153,6 +156,8 @@ class Ledger {
     RecordPtr record;
   };
   StepStats* FindStatsLocked(int64_t step);
+  // Settle's work, the lock held; what the record held moves to `held`.
+  void SettleLocked(Record* record, Verdict verdict, std::unique_ptr<void, void (*)(void*)>* held);
   void CompactLocked();  // drops the tombstones Unmark leaves in marks_
 
   mutable std::mutex mu_;

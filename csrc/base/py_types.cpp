@@ -139,13 +139,24 @@ PyTypeObject* g_entry_type = nullptr;
 
 struct PyEntry {
   PyObject_HEAD PyObject* tensor;  // None once released or weakened
+  RecordPtr native;                // the record (placement-constructed: a C++ member)
+  // Its Record object, made on the first ask from Python (indexing,
+  // unpacking, repr): the native passes of a step read `native` only, and
+  // the fast commit makes no Record object per donor.
   PyObject* record;
   uintptr_t weak;         // once weakened: the tensor, weakly (variable.h WeakTensorTake)
   PyObject* inner;        // a weakened donor's poisoned inner tensor (EntryKeepInner)
   bool buffer_on_record;  // released or weakened: Record::held is this entry's
 };
 
-Record& RecordOf(PyEntry* e) { return *Unwrap(e->record); }
+Record& RecordOf(PyEntry* e) { return *e->native; }
+
+// The entry's Record object (borrowed), made now if not yet; nullptr with a
+// Python error.
+PyObject* RecordObject(PyEntry* e) {
+  if (e->record == nullptr) e->record = WrapRecord(e->native);
+  return e->record;
+}
 
 // Hands `buffer` to the entry's record and lets go of the tensor, keeping
 // it weakly if `weak`.  False (nothing changed) for no Entry, or one whose
@@ -169,6 +180,7 @@ void EntryDealloc(PyObject* self) {
   Py_CLEAR(e->inner);
   Py_CLEAR(e->tensor);
   Py_CLEAR(e->record);
+  e->native.~RecordPtr();
   PyTypeObject* type = Py_TYPE(self);
   type->tp_free(self);
   Py_DECREF(type);
@@ -194,8 +206,9 @@ PyObject* EntryItem(PyObject* self, Py_ssize_t i) {
     return nullptr;
   }
   if (i == 0) return EntryTensorRef(e);
-  Py_INCREF(e->record);
-  return e->record;
+  PyObject* record = RecordObject(e);
+  Py_XINCREF(record);
+  return record;
 }
 
 // `t, record = entry` in Python: with only the sequence protocol, unpacking
@@ -204,8 +217,11 @@ PyObject* EntryItem(PyObject* self, Py_ssize_t i) {
 // without one.
 PyObject* EntryIter(PyObject* self) {
   auto* e = reinterpret_cast<PyEntry*>(self);
+  PyObject* record = RecordObject(e);
+  if (!record) return nullptr;
   PyObject* t = EntryTensorRef(e);
-  PyObject* pair = PyTuple_Pack(2, t, e->record);
+  if (!t) return nullptr;
+  PyObject* pair = PyTuple_Pack(2, t, record);
   Py_DECREF(t);
   if (!pair) return nullptr;
   PyObject* it = PyObject_GetIter(pair);
@@ -214,7 +230,8 @@ PyObject* EntryIter(PyObject* self) {
 }
 
 PyObject* EntryRepr(PyObject* self) {
-  return PyUnicode_FromFormat("<entry %R>", reinterpret_cast<PyEntry*>(self)->record);
+  PyObject* record = RecordObject(reinterpret_cast<PyEntry*>(self));
+  return record ? PyUnicode_FromFormat("<entry %R>", record) : nullptr;
 }
 
 PyType_Slot kEntrySlots[] = {
@@ -288,13 +305,22 @@ const RecordPtr& RecordArg(PyObject* o) {
 }
 
 PyObject* NewEntry(PyObject* tensor, PyObject* record) {
+  PyObject* o = NewEntry(tensor, Unwrap(record));
+  if (o) {
+    Py_INCREF(record);
+    reinterpret_cast<PyEntry*>(o)->record = record;
+  }
+  return o;
+}
+
+PyObject* NewEntry(PyObject* tensor, const RecordPtr& record) {
   PyObject* o = g_entry_type->tp_alloc(g_entry_type, 0);
   if (!o) return nullptr;
   auto* e = reinterpret_cast<PyEntry*>(o);
   Py_INCREF(tensor);
-  Py_INCREF(record);
   e->tensor = tensor;
-  e->record = record;
+  new (&e->native) RecordPtr(record);
+  e->record = nullptr;
   e->weak = 0;
   e->inner = nullptr;
   e->buffer_on_record = false;
@@ -369,26 +395,22 @@ void PrefetchEntries(PyObject* list) {
   // by the time the next level reads them.
   for (Py_ssize_t i = 0; i < n; ++i) __builtin_prefetch(items[i]);
   for (Py_ssize_t i = 0; i < n; ++i)
-    if (PyEntry* e = entry(i)) __builtin_prefetch(e->record);
-  for (Py_ssize_t i = 0; i < n; ++i)
-    if (PyEntry* e = entry(i)) {
-      PrefetchBytes(Unwrap(e->record).get(), sizeof(Record));
-    }
+    if (PyEntry* e = entry(i)) PrefetchBytes(e->native.get(), sizeof(Record));
   for (Py_ssize_t i = 0; i < n; ++i)
     if (const void* b = held(i)) __builtin_prefetch(b);
   for (Py_ssize_t i = 0; i < n; ++i)
     if (const void* b = held(i)) PrefetchHeldBuffer(static_cast<const HeldBuffer*>(b));
 }
 
-bool EntryParts(PyObject* o, PyObject** tensor, PyObject** record) {
+bool EntryParts(PyObject* o, PyObject** tensor, const RecordPtr** record) {
   if (Py_TYPE(o) == g_entry_type) {
     *tensor = reinterpret_cast<PyEntry*>(o)->tensor;
-    *record = reinterpret_cast<PyEntry*>(o)->record;
+    *record = &reinterpret_cast<PyEntry*>(o)->native;
     return true;
   }
-  if (PyTuple_Check(o) && PyTuple_GET_SIZE(o) == 2) {
+  if (PyTuple_Check(o) && PyTuple_GET_SIZE(o) == 2 && IsRecord(PyTuple_GET_ITEM(o, 1))) {
     *tensor = PyTuple_GET_ITEM(o, 0);
-    *record = PyTuple_GET_ITEM(o, 1);
+    *record = &Unwrap(PyTuple_GET_ITEM(o, 1));
     return true;
   }
   return false;

@@ -3,8 +3,10 @@
 // members of the IntEnum `_C.Verdict`.
 //
 // Both are small native types rather than pybind11 classes: a step creates
-// one Record and one Entry per donated tensor, and a pybind11 instance costs
-// several times more to create and to read (`record.verdict`).
+// one Entry per donated tensor, and a pybind11 instance costs several times
+// more to create and to read (`record.verdict`).  An Entry holds its
+// record natively and makes its Record object only when Python asks for it:
+// the common step's native passes make none.
 #pragma once
 
 #include <Python.h>
@@ -35,11 +37,14 @@ const RecordPtr& RecordArg(PyObject* o);
 bool BeginStepLists(const std::vector<PyObject*>* only, int64_t* step, PyObject** tensors,
                     PyObject** records);
 
-// A new (tensor, record) Entry, or nullptr with a Python error.
+// A new (tensor, record) Entry, or nullptr with a Python error: of a Record
+// object, or of the record itself (its Record object is made when Python
+// first asks for it).
 PyObject* NewEntry(PyObject* tensor, PyObject* record);
-// The borrowed (tensor, record) of an Entry or of a 2-tuple; false if `o`
-// is neither.
-bool EntryParts(PyObject* o, PyObject** tensor, PyObject** record);
+PyObject* NewEntry(PyObject* tensor, const RecordPtr& record);
+// The borrowed tensor and record of an Entry or of a (tensor, Record)
+// 2-tuple; false if `o` is neither.
+bool EntryParts(PyObject* o, PyObject** tensor, const RecordPtr** record);
 
 // Lets an Entry's tensor go, keeping only `buffer` (which it takes) for the
 // verdict, on the record until the verdict is in or the entry goes

@@ -46,6 +46,11 @@ bool ReadTensorFacts(uintptr_t address, TensorFacts* out, bool with_sizes) {
   }
 }
 
+bool IsFunctionalImpl(uintptr_t address) {
+  return reinterpret_cast<c10::TensorImpl*>(address)->key_set().has(
+      c10::DispatchKey::Functionalize);
+}
+
 uintptr_t StorageAddress(uintptr_t address) {
   auto* impl = reinterpret_cast<c10::TensorImpl*>(address);
   const c10::Storage& storage = impl->unsafe_storage();

@@ -17,10 +17,9 @@ namespace py = pybind11;
 namespace torch_xla_donate {
 namespace {
 
-PyObject* TensorOf(PyObject* entry, PyObject** record) {
+PyObject* TensorOf(PyObject* entry, const RecordPtr** record) {
   PyObject* t;
   if (!EntryParts(entry, &t, record)) throw py::type_error("expected (tensor, record) entries");
-  RecordArg(*record);  // type check
   return t;
 }
 
@@ -43,7 +42,8 @@ void PrefetchEntryTensors(PyObject* entries) {
     Py_ssize_t count = 0;
     for (Py_ssize_t i = first; i < end; ++i) __builtin_prefetch(items[i]);
     for (Py_ssize_t i = first; i < end; ++i) {
-      PyObject *t, *rec;
+      PyObject* t;
+      const RecordPtr* rec;
       if (EntryParts(items[i], &t, &rec) && t != Py_None) tensors[count++] = t;
     }
     PrefetchTensors(tensors, count);
@@ -118,7 +118,7 @@ py::tuple Arm(py::list donors) {
   py::list armed, refused;
   for (size_t i = 0, n = donors.size(); i < n; ++i) {
     PyObject* entry = PyList_GET_ITEM(donors.ptr(), i);
-    PyObject* rec;
+    const RecordPtr* rec;
     PyObject* t = TensorOf(entry, &rec);
     int ok = SetDonor(t, true);
     if (ok < 0) PyErr_Clear();
@@ -136,7 +136,7 @@ void Disarm(py::list entries) {
   RequireBound();
   for (size_t i = 0, n = entries.size(); i < n; ++i) {
     PyObject* entry = PyList_GET_ITEM(entries.ptr(), i);
-    PyObject* rec;
+    const RecordPtr* rec;
     PyObject* t = TensorOf(entry, &rec);
     if (t != Py_None && SetDonor(t, false) < 0) PyErr_Clear();
   }
@@ -187,7 +187,7 @@ size_t ReleaseUnheld(py::list donors) {
   size_t released = 0;
   for (size_t i = 0, n = donors.size(); i < n; ++i) {
     PyObject* entry = PyList_GET_ITEM(donors.ptr(), i);
-    PyObject* rec;
+    const RecordPtr* rec;
     released += ReleaseIfUnheld(entry, TensorOf(entry, &rec));
     EntryLetGoOfDead(entry);
   }
@@ -237,7 +237,7 @@ py::list DisarmAndPoison(py::list donors, bool release) {
   PrefetchEntryTensors(donors.ptr());
   for (size_t i = 0, n = donors.size(); i < n; ++i) {
     PyObject* entry = PyList_GET_ITEM(donors.ptr(), i);
-    PyObject* rec;
+    const RecordPtr* rec;
     PyObject* t = TensorOf(entry, &rec);
     if (t == Py_None) continue;  // released by an earlier commit's call
     if (release && ReleaseIfUnheld(entry, t)) continue;
@@ -250,7 +250,7 @@ py::list DisarmAndPoison(py::list donors, bool release) {
     const bool weakened = release && WeakenHeld(entry, t);
     if (!weakened && SetDonor(t, false) < 0) PyErr_Clear();
     PyObject* inner = nullptr;
-    if (Poison(t, rec, weakened ? &inner : nullptr) != 0) {
+    if (Poison(t, *rec, weakened ? &inner : nullptr) != 0) {
       py::error_already_set error;  // takes the Python error
       failed.append(py::make_tuple(py::handle(entry), py::str(error.what())));
     } else if (inner != nullptr && !EntryKeepInner(entry, inner)) {
@@ -265,9 +265,9 @@ py::list DisarmAndPoison(py::list donors, bool release) {
 // null.
 const HeldBuffer* LiveHeldBuffer(PyObject* item) {
   PyObject* t;
-  PyObject* rec;
-  if (!EntryParts(item, &t, &rec)) rec = item;  // a record itself
-  const auto* buffer = static_cast<const HeldBuffer*>(RecordArg(rec)->held.get());
+  const RecordPtr* rec;
+  if (!EntryParts(item, &t, &rec)) rec = &RecordArg(item);  // a record itself
+  const auto* buffer = static_cast<const HeldBuffer*>((*rec)->held.get());
   return buffer && !HeldBufferConsumed(buffer) ? buffer : nullptr;
 }
 
@@ -319,21 +319,31 @@ py::tuple SettleEntries(py::list entries, bool certain) {
   RequireBound();
   py::list unknown, unused;
   PrefetchEntries(entries.ptr());
-  for (size_t i = 0, n = entries.size(); i < n; ++i) {
-    PyObject* entry = PyList_GET_ITEM(entries.ptr(), i);
-    PyObject* rec;
-    PyObject* t = TensorOf(entry, &rec);
-    const RecordPtr& record = Unwrap(rec);
-    if (record->verdict != Verdict::kInFlight) continue;
-    const HeldBuffer* buffer = EntryBuffer(entry);
-    int deleted = buffer ? HeldBufferConsumed(buffer) : BufferDeleted(t);
-    Check(deleted >= 0);
-    if (deleted) {
-      GlobalLedger().Settle(record, Verdict::kReused);
-    } else {
-      Check(PyList_Append((certain ? unused : unknown).ptr(), entry) == 0);
+  std::vector<Record*> reused;  // settled together, also when a read raises
+  struct SettleReused {
+    std::vector<Record*>* records;
+    ~SettleReused() { GlobalLedger().SettleAll(*records, Verdict::kReused); }
+  };
+  ReapBatch batch;  // the consumed buffers the verdicts let go: one handover
+  {
+    SettleReused settle{&reused};
+    for (size_t i = 0, n = entries.size(); i < n; ++i) {
+      PyObject* entry = PyList_GET_ITEM(entries.ptr(), i);
+      const RecordPtr* rec;
+      PyObject* t = TensorOf(entry, &rec);
+      const RecordPtr& record = *rec;
+      if (record->verdict != Verdict::kInFlight) continue;
+      const HeldBuffer* buffer = EntryBuffer(entry);
+      int deleted = buffer ? HeldBufferConsumed(buffer) : BufferDeleted(t);
+      Check(deleted >= 0);
+      if (deleted) {
+        reused.push_back(record.get());
+      } else {
+        Check(PyList_Append((certain ? unused : unknown).ptr(), entry) == 0);
+      }
     }
   }
+  batch.Close();
   ReapHandOver();  // the consumed buffers settled here, freed off this thread
   return py::make_tuple(unknown, unused);
 }

@@ -36,8 +36,7 @@ bool Plain(PyObject* t, const Record& record, DonorKey* key) {
   LazyFacts lazy;
   if (!ReadLazy(t, &lazy) || !lazy.is_functional || !lazy.has_handle || lazy.pending) return false;
   if (!lazy.only_own_holders()) return false;
-  const uintptr_t impl = ImplAddress(t);
-  return impl != 0 && DonorKeyOf(impl, key) && key->buffer != 0;
+  return DonorKeyOfFacts(lazy, key);
 }
 
 // Clears the flag `SetDonor` set on the first `n` tensors.
@@ -46,7 +45,7 @@ void DisarmFirst(PyObject* const* tensors, size_t n) {
     if (SetDonor(tensors[i], false) < 0) PyErr_Clear();
 }
 
-// commit_fast() -> (step, tensors, records, donors)
+// commit_fast() -> (step, tensors, records, donors)  (records None with donors)
 //
 // Takes every mark into a new step (begin_step) and, when each donor is
 // plain (Plain), no live tensor is a copy made from one in this step (the
@@ -57,48 +56,59 @@ void DisarmFirst(PyObject* const* tensors, size_t n) {
 // stages on `tensors` and `records`, as after begin_step.
 py::tuple CommitFast() {
   RequireBound();
-  int64_t step;
-  PyObject *tensor_list, *record_list;
-  Check(BeginStepLists(nullptr, &step, &tensor_list, &record_list));
-  py::list tensors = py::reinterpret_steal<py::list>(tensor_list);
-  py::list records = py::reinterpret_steal<py::list>(record_list);
-  const size_t n = tensors.size();
-  if (n == 0) return py::make_tuple(step, tensors, records, py::list());  // nothing to decide
+  std::vector<py::object> owned;
+  std::vector<RecordPtr> recs;
+  const int64_t step = GlobalLedger().BeginStep(&owned, &recs);
+  const size_t n = owned.size();
+  py::list tensors(n);
+  for (size_t i = 0; i < n; ++i)
+    PyList_SET_ITEM(tensors.ptr(), static_cast<Py_ssize_t>(i), owned[i].release().ptr());
+  // The records' Python faces only for the Python stages: the entries of
+  // the common step make theirs when Python first asks.
+  auto undecided = [&]() {
+    py::list records(n);
+    for (size_t i = 0; i < n; ++i) {
+      PyObject* rec = WrapRecord(recs[i]);
+      if (!rec) throw py::error_already_set();
+      PyList_SET_ITEM(records.ptr(), static_cast<Py_ssize_t>(i), rec);
+    }
+    return py::make_tuple(step, tensors, records, py::none());
+  };
+  if (n == 0) return py::make_tuple(step, tensors, py::none(), py::list());  // nothing to decide
   PyObject** items = PySequence_Fast_ITEMS(tensors.ptr());
-  py::object undecided = py::make_tuple(step, tensors, records, py::none());
-  if (!LazyReadsEnabled() || LiveTensorArena() == 0) return undecided;
+  if (!LazyReadsEnabled() || LiveTensorArena() == 0) return undecided();
   PrefetchTensors(items, static_cast<Py_ssize_t>(n));
   std::vector<DonorKey> keys(n);
   for (size_t i = 0; i < n; ++i)
-    if (!Plain(items[i], *Unwrap(PyList_GET_ITEM(records.ptr(), i)), &keys[i])) return undecided;
+    if (!Plain(items[i], *recs[i], &keys[i])) return undecided();
   std::vector<std::vector<int64_t>> copies;
   bool walked;
   {
     py::gil_scoped_release no_gil;
     walked = SameStepCopies(keys, &copies);
   }
-  if (!walked) return undecided;
+  if (!walked) return undecided();
   for (const auto& found : copies)
-    if (!found.empty()) return undecided;
+    if (!found.empty()) return undecided();
   for (size_t i = 0; i < n; ++i) {
     const int armed = SetDonor(items[i], true);
     if (armed != 1) {
       if (armed < 0) PyErr_Clear();
       DisarmFirst(items, i);
-      return undecided;
+      return undecided();
     }
   }
   py::list donors(n);
   for (size_t i = 0; i < n; ++i) {
-    PyObject* entry = NewEntry(items[i], PyList_GET_ITEM(records.ptr(), i));
+    PyObject* entry = NewEntry(items[i], recs[i]);
     if (!entry) {
       PyErr_Clear();
       DisarmFirst(items, n);
-      return undecided;
+      return undecided();
     }
     PyList_SET_ITEM(donors.ptr(), static_cast<Py_ssize_t>(i), entry);
   }
-  return py::make_tuple(step, tensors, records, donors);
+  return py::make_tuple(step, tensors, py::none(), donors);
 }
 
 }  // namespace

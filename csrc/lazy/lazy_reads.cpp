@@ -96,6 +96,7 @@ bool Read(c10::TensorImpl* outer, LazyFacts* out) {
   out->tensor_id = data->unique_id;
   const torch::lazy::Value& ir = data->ir_value;
   out->has_ir = ir.node != nullptr;
+  out->ir_node = reinterpret_cast<uintptr_t>(ir.node.get());
   out->ir_is_device_data = out->has_ir && ir.node->op().op == DeviceDataOp();
   if (const torch::lazy::BackendDataPtr& handle = data->handle) {
     out->has_handle = true;

@@ -65,8 +65,9 @@ struct LazyFacts {
   // Owners of the XLATensor: 1, or more when torch_xla made two Python
   // tensors share one (`_replace_xla_tensor`).
   long xla_tensor_refcount = 0;
-  uintptr_t buffer = 0;  // address of the BackendData: one buffer, one address
-  int64_t handle = 0;    // BackendData::GetHandle() (`_get_tensors_handle`); 0 without value
+  uintptr_t buffer = 0;   // address of the BackendData: one buffer, one address
+  uintptr_t ir_node = 0;  // address of the cached IR value's node, 0 without
+  int64_t handle = 0;     // BackendData::GetHandle() (`_get_tensors_handle`); 0 without value
 
   bool consumed() const { return has_handle && !has_value; }  // `_is_placecholder`
   // No holder of the buffer, nor owner of the XLA tensor, beyond a clean

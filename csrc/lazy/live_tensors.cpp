@@ -141,6 +141,16 @@ bool DonorKeyOf(uintptr_t impl, DonorKey* key) {
   }
 }
 
+bool DonorKeyOfFacts(const LazyFacts& facts, DonorKey* key) {
+  *key = DonorKey();
+  if (!facts.has_handle || facts.buffer == 0) return false;
+  key->tensor_id = facts.tensor_id;
+  key->own_handle = true;
+  key->buffer = facts.buffer;
+  key->ir_node = facts.ir_is_device_data ? facts.ir_node : 0;
+  return true;
+}
+
 bool SameStepCopies(const std::vector<DonorKey>& donors, std::vector<std::vector<int64_t>>* out) {
   out->assign(donors.size(), {});
   using Key = std::pair<uintptr_t, size_t>;   // (node or buffer, donor index)

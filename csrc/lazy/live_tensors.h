@@ -35,6 +35,8 @@
 #include <string>
 #include <vector>
 
+#include "lazy/lazy_reads.h"
+
 namespace torch_xla_donate {
 
 // One live tensor's LazyTensor::Data, as the walk sees it.  Addresses
@@ -79,6 +81,10 @@ struct DonorKey {
 // The key of the XLA tensor at `impl` (the address `t._cdata` gives);
 // false when lazy_reads declines it or it reads no buffer (pending IR).
 bool DonorKeyOf(uintptr_t impl, DonorKey* key);
+
+// The same key from what ReadLazyFacts read of a tensor with a buffer of its
+// own (`facts.has_handle`), without reading it again; false without one.
+bool DonorKeyOfFacts(const LazyFacts& facts, DonorKey* key);
 
 // For each donor, the ids of the live tensors other than the donors whose
 // value the barrier will take from the donor's buffer: a tensor without a

@@ -76,7 +76,38 @@ void FreeNow(std::vector<Item>* items) {
 
 }  // namespace
 
+// The open ReapBatch of this thread (its depth) and what it collected.
+static thread_local int t_batch_depth = 0;
+static thread_local std::vector<Item> t_batch;
+
+ReapBatch::ReapBatch() : open_(true) { ++t_batch_depth; }
+
+void ReapBatch::Close() {
+  if (!open_) return;
+  open_ = false;
+  if (--t_batch_depth > 0 || t_batch.empty()) return;
+  std::vector<Item> items;
+  items.swap(t_batch);
+  Reaper* r = g_reaper;
+  {
+    std::lock_guard<std::mutex> lock(r->mu);
+    if (!r->stopped) {
+      r->collected.insert(r->collected.end(), items.begin(), items.end());
+      r->stats.queued += items.size();
+      r->stats.pending += items.size();
+      items.clear();
+    } else {
+      r->stats.inline_ += items.size();
+    }
+  }
+  FreeNow(&items);  // the reaper stopped meanwhile: freed here, as ReapLater would
+}
+
 void ReapLater(void* object, void (*destroy)(void*)) {
+  if (t_batch_depth > 0) {
+    t_batch.push_back({object, destroy});
+    return;
+  }
   Reaper* r = g_reaper;
   {
     std::lock_guard<std::mutex> lock(r->mu);

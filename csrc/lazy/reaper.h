@@ -34,6 +34,22 @@ namespace torch_xla_donate {
 // from any thread.
 void ReapLater(void* object, void (*destroy)(void*));
 
+// While one is open on a thread, that thread's ReapLater calls collect
+// their objects without taking the reaper's lock, and Close (or the
+// destructor) queues them all under one hold of it: a settle pass lets go
+// of a buffer per donor.  Nested batches join the outermost.
+class ReapBatch {
+ public:
+  ReapBatch();
+  ~ReapBatch() { Close(); }
+  ReapBatch(const ReapBatch&) = delete;
+  ReapBatch& operator=(const ReapBatch&) = delete;
+  void Close();
+
+ private:
+  bool open_;
+};
+
 // Hands what ReapLater collected to the thread when there is enough of it
 // to be worth a wake-up (or `always`).  Cheap when there is nothing.
 void ReapHandOver(bool always = false);

@@ -99,8 +99,7 @@ int TagTensor(PyObject* t, const RecordPtr& record, const std::string& note) {
   return 0;
 }
 
-int Poison(PyObject* t, PyObject* record, PyObject** keep_inner) {
-  const RecordPtr& r = Unwrap(record);
+int Poison(PyObject* t, const RecordPtr& r, PyObject** keep_inner) {
   // The tensor torch_xla computes with: for a functional tensor (torch_xla's
   // default) the one it wraps, which every operator on `t` reaches after
   // functionalization unwrapped it; else `t` itself.
@@ -108,15 +107,16 @@ int Poison(PyObject* t, PyObject* record, PyObject** keep_inner) {
   // happens to the wrapper the user holds.
   // (poison.py's `inner`, without its Python frame: the Functionalize key
   // read in place, torch's builtin called only for a functional tensor.)
-  TensorFacts facts;
-  if (Facts(t, &facts, /*with_sizes=*/false) != 1) {
+  const uintptr_t impl = ImplAddress(t);
+  if (impl == 0) {
     PyErr_SetString(PyExc_TypeError, "expected a torch.Tensor");
     return -1;
   }
+  const bool functional = IsFunctionalImpl(impl);
   if (DonatedKeyInUse()) {
     // The donated key on the TensorImpl torch_xla computes with
     // (donated_key.h): no Python object for it, nothing for an entry to keep.
-    const uintptr_t core = facts.is_functional ? FunctionalInnerImpl(t) : ImplAddress(t);
+    const uintptr_t core = functional ? FunctionalInnerImpl(t) : impl;
     if (core == 0 || !TagRecord(core, r)) {
       PyErr_SetString(PyExc_TypeError, "cannot tag this tensor with its donation record");
       return -1;
@@ -125,7 +125,7 @@ int Poison(PyObject* t, PyObject* record, PyObject** keep_inner) {
     return TakeTwinClass(t, /*refuses_operators=*/false);
   }
   PyObject* inner = t;
-  if (facts.is_functional) {
+  if (functional) {
     inner = FunctionalInnerObject(t);  // torch's own wrap, without the builtin's parser
     if (!inner && PyErr_Occurred()) return -1;
     if (!inner) inner = PyObject_CallOneArg(g_hooks.from_functional, t);
@@ -135,9 +135,9 @@ int Poison(PyObject* t, PyObject* record, PyObject** keep_inner) {
   }
   int rc = TagTensor(inner, r);
   if (rc == 0) rc = TakeTwinClass(inner, /*refuses_operators=*/true);
-  const uintptr_t impl = rc == 0 ? ImplAddress(inner) : 0;
-  if (rc == 0 && impl == 0) rc = -1;
-  if (rc == 0 && !SetPythonDispatch(impl, true)) {
+  const uintptr_t core = rc == 0 ? ImplAddress(inner) : 0;
+  if (rc == 0 && core == 0) rc = -1;
+  if (rc == 0 && !SetPythonDispatch(core, true)) {
     PyErr_SetString(PyExc_RuntimeError, "cannot set the Python dispatch key of a donated tensor");
     rc = -1;
   }

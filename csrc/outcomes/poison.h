@@ -25,7 +25,7 @@ int TagTensor(PyObject* t, const RecordPtr& record, const std::string& note = st
 // `keep_inner`, a functional tensor's inner (a new reference) is handed to
 // the caller there rather than let go (py_types.h EntryKeepInner); it is
 // set only when 0 is returned and `t` had an inner.
-int Poison(PyObject* t, PyObject* record, PyObject** keep_inner = nullptr);
+int Poison(PyObject* t, const RecordPtr& record, PyObject** keep_inner = nullptr);
 // Drops the cache of poisoned twin classes (poison.py re-bound its hooks).
 void ForgetPoisonClasses();
 
