@@ -280,19 +280,24 @@ bool BeginStepLists(const std::vector<PyObject*>* only, int64_t* step, PyObject*
   *step = GlobalLedger().BeginStep(&owned, &recs, only);
   const Py_ssize_t n = static_cast<Py_ssize_t>(owned.size());
   *tensors = PyList_New(n);
-  *records = *tensors ? PyList_New(n) : nullptr;
-  bool ok = *records != nullptr;
-  for (Py_ssize_t i = 0; ok && i < n; ++i) {
-    PyList_SET_ITEM(*tensors, i, owned[i].release().ptr());
-    PyObject* rec = WrapRecord(std::move(recs[i]));
-    ok = rec != nullptr;
-    if (ok) PyList_SET_ITEM(*records, i, rec);
+  if (!*tensors) return false;
+  for (Py_ssize_t i = 0; i < n; ++i) PyList_SET_ITEM(*tensors, i, owned[i].release().ptr());
+  *records = RecordList(recs);
+  if (!*records) Py_CLEAR(*tensors);
+  return *records != nullptr;
+}
+
+PyObject* RecordList(const std::vector<RecordPtr>& records) {
+  const Py_ssize_t n = static_cast<Py_ssize_t>(records.size());
+  PyObject* list = PyList_New(n);
+  for (Py_ssize_t i = 0; list && i < n; ++i) {
+    PyObject* rec = WrapRecord(records[i]);
+    if (!rec)
+      Py_CLEAR(list);  // its empty slots are NULL, which its deallocation skips
+    else
+      PyList_SET_ITEM(list, i, rec);
   }
-  if (!ok) {  // the lists' empty slots are NULL, which their deallocation skips
-    Py_XDECREF(*tensors);
-    Py_XDECREF(*records);
-  }
-  return ok;
+  return list;
 }
 
 bool IsRecord(PyObject* o) { return Py_TYPE(o) == g_record_type; }

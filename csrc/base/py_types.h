@@ -36,6 +36,8 @@ const RecordPtr& RecordArg(PyObject* o);
 // a list of their Records (new references).  False with a Python error.
 bool BeginStepLists(const std::vector<PyObject*>* only, int64_t* step, PyObject** tensors,
                     PyObject** records);
+// A new list of Records wrapping `records`, or nullptr with a Python error.
+PyObject* RecordList(const std::vector<RecordPtr>& records);
 
 // A new (tensor, record) Entry, or nullptr with a Python error: of a Record
 // object, or of the record itself (its Record object is made when Python
@@ -83,8 +85,8 @@ const HeldBuffer* EntryBuffer(PyObject* entry);
 bool EntryTensorAlive(PyObject* entry);
 // Before a pass over many entries no code has touched since the last step
 // (a barrier's settle): starts loading, level by level for all of them at
-// once, what EntryBuffer and a verdict read (the Entry, its Record, the
-// Record's struct, the held buffer and its BackendData).  Each level's
+// once, what EntryBuffer and a verdict read (the Entry, its record, the
+// held buffer and its BackendData).  Each level's
 // addresses come from the one before, so a pass that reads entry by entry
 // waits for each miss in turn; here the misses of all entries overlap.
 // Reads only what it prefetched one level before; changes nothing.

@@ -18,7 +18,7 @@ bool ReadTensorFacts(uintptr_t address, TensorFacts* out, bool with_sizes) {
     // more objects to touch.  The dispatch keys, a field of the wrapper,
     // say the same.
     out->is_xla = impl->key_set().has_backend(c10::BackendComponent::XLABit);
-    out->is_functional = impl->key_set().has(c10::DispatchKey::Functionalize);
+    out->is_functional = IsFunctionalImpl(address);
     const c10::Storage& storage = impl->unsafe_storage();  // no throw for storage-less
     out->storage_use_count = storage ? static_cast<long>(storage.use_count()) : 0;
     out->impl_use_count = static_cast<long>(c10::raw::intrusive_ptr::use_count(impl));

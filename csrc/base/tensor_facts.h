@@ -45,13 +45,13 @@ struct TensorFacts {
 // `with_sizes`, `sizes` stays empty: reading them asks the XLA tensor.
 bool ReadTensorFacts(uintptr_t impl, TensorFacts* out, bool with_sizes = true);
 
-// The address of the c10::StorageImpl behind the tensor at `impl` (0: none).
-// Two tensors share a storage (views, t.detach(), nn.Parameter(t)) exactly
-// when these are equal.
 // Whether the tensor at `impl` is a functional wrapper (its key set, read
 // in place): ReadTensorFacts' is_functional alone.
 bool IsFunctionalImpl(uintptr_t impl);
 
+// The address of the c10::StorageImpl behind the tensor at `impl` (0: none).
+// Two tensors share a storage (views, t.detach(), nn.Parameter(t)) exactly
+// when these are equal.
 uintptr_t StorageAddress(uintptr_t impl);
 
 // Starts loading the two objects ReadTensorFacts reads beside the TensorImpl

@@ -66,13 +66,9 @@ py::tuple CommitFast() {
   // The records' Python faces only for the Python stages: the entries of
   // the common step make theirs when Python first asks.
   auto undecided = [&]() {
-    py::list records(n);
-    for (size_t i = 0; i < n; ++i) {
-      PyObject* rec = WrapRecord(recs[i]);
-      if (!rec) throw py::error_already_set();
-      PyList_SET_ITEM(records.ptr(), static_cast<Py_ssize_t>(i), rec);
-    }
-    return py::make_tuple(step, tensors, records, py::none());
+    PyObject* records = RecordList(recs);
+    if (!records) throw py::error_already_set();
+    return py::make_tuple(step, tensors, py::reinterpret_steal<py::list>(records), py::none());
   };
   if (n == 0) return py::make_tuple(step, tensors, py::none(), py::list());  // nothing to decide
   PyObject** items = PySequence_Fast_ITEMS(tensors.ptr());
