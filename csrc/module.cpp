@@ -142,9 +142,11 @@ PYBIND11_MODULE(_C, m) {
         if (via < 0 || via >= kViaCount) throw py::value_error("mark(): no such via");
         for (int64_t d : shape)
           if (d < 0) throw py::value_error("mark(): shape sizes must be >= 0");
-        return RecordOrNone(GlobalLedger().Mark(
-            std::move(tensor), std::make_shared<const std::string>(std::move(file)), line,
-            Dims(shape), std::move(dtype), nbytes, static_cast<Via>(via), version));
+        RecordPtr record;
+        GlobalLedger().Mark(std::move(tensor), std::make_shared<const std::string>(std::move(file)),
+                            line, Dims(shape), InternDtype(dtype), nbytes, static_cast<Via>(via),
+                            version, &record);
+        return RecordOrNone(record);
       },
       py::arg("tensor"), py::arg("file"), py::arg("line"), py::arg("shape"), py::arg("dtype"),
       py::arg("nbytes"), py::arg("via") = 0, py::arg("version") = -1,

@@ -1,8 +1,12 @@
 #include "base/ledger.h"
 
+#include <mutex>
+#include <string>
+#include <unordered_set>
 #include <utility>
 
 #include "base/block_pool.h"
+#include "base/scratch.h"
 
 namespace torch_xla_donate {
 
@@ -46,8 +50,16 @@ const char* ViaName(Via via) {
   return "donate_buffer()";
 }
 
+DtypeName InternDtype(const std::string& name) {
+  // Never freed: records may outlive static destructors at exit.
+  static auto* mu = new std::mutex();
+  static auto* names = new std::unordered_set<std::string>();
+  std::lock_guard<std::mutex> lock(*mu);
+  return &*names->insert(name).first;
+}
+
 std::string Record::ShapeString() const {
-  std::string s = dtype + "[";
+  std::string s = *dtype + "[";
   for (size_t i = 0; i < shape.size(); ++i) {
     if (i) s += ",";
     s += std::to_string(shape[i]);
@@ -55,23 +67,24 @@ std::string Record::ShapeString() const {
   return s + "]";
 }
 
-RecordPtr Ledger::Mark(py::object tensor, FilePtr file, int line, Dims shape, std::string dtype,
-                       int64_t nbytes, Via via, int64_t version) {
+bool Ledger::Mark(py::object tensor, FilePtr file, int line, Dims shape, DtypeName dtype,
+                  int64_t nbytes, Via via, int64_t version, RecordPtr* out) {
   std::lock_guard<std::mutex> lock(mu_);
   PyObject* key = tensor.ptr();
-  if (index_.Find(key)) return nullptr;
+  if (index_.Find(key)) return false;
   auto record = std::allocate_shared<Record>(PoolAllocator<Record>());
   record->id = next_id_++;
   record->file = std::move(file);
   record->line = line;
-  record->shape = shape;
-  record->dtype = std::move(dtype);
+  record->shape = std::move(shape);
+  record->dtype = dtype;
   record->nbytes = nbytes;
   record->via = via;
   record->version = version;
+  if (out) *out = record;
   index_.Set(key, marks_.size());
-  marks_.push_back(Mark_{std::move(tensor), record});
-  return record;
+  marks_.push_back(Mark_{std::move(tensor), std::move(record)});
+  return true;
 }
 
 RecordPtr Ledger::Unmark(const py::handle& tensor) {
@@ -134,7 +147,7 @@ int64_t Ledger::BeginStep(std::vector<py::object>* tensors, std::vector<RecordPt
     step = ++step_;
     if (only == nullptr) {
       marks.swap(marks_);
-      marks_.reserve(marks.size());  // the next step likely marks as many
+      marks_.swap(spare_);  // empty, with the capacity of a step before
       index_.Clear();
     } else {
       // Take the listed marks out, leaving tombstones (as Unmark does).
@@ -180,6 +193,11 @@ int64_t Ledger::BeginStep(std::vector<py::object>* tensors, std::vector<RecordPt
     tensors->push_back(std::move(m.tensor));
     records->push_back(std::move(m.record));
   }
+  if (only == nullptr) {
+    marks.clear();  // moved from: nothing is let go of
+    std::lock_guard<std::mutex> lock(mu_);
+    if (marks.capacity() > spare_.capacity()) spare_.swap(marks);
+  }
   return step;
 }
 
@@ -196,12 +214,13 @@ void Ledger::Settle(const RecordPtr& record, Verdict verdict) {
 }
 
 void Ledger::SettleAll(const std::vector<Record*>& records, Verdict verdict) {
-  std::vector<std::unique_ptr<void, void (*)(void*)>> held;  // let go after the lock
-  held.reserve(records.size());
+  // Let go of after the lock; the thread's scratch (base/scratch.h).
+  Scratch<std::unique_ptr<void, void (*)(void*)>> held;
+  held->reserve(records.size());
   std::lock_guard<std::mutex> lock(mu_);
   for (Record* record : records) {
-    held.emplace_back(nullptr, nullptr);
-    SettleLocked(record, verdict, &held.back());
+    held->emplace_back(nullptr, nullptr);
+    SettleLocked(record, verdict, &held->back());
   }
 }
 

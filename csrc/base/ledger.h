@@ -57,6 +57,16 @@ const char* ViaName(Via via);
 // that donates thousands of tensors from one line copies no string.
 using FilePtr = std::shared_ptr<const std::string>;
 
+// A dtype's name, interned: one string per name for the life of the
+// process, so that a donation records a pointer and copies no string.
+using DtypeName = const std::string*;
+DtypeName InternDtype(const std::string& name);
+// The name of no dtype (""), without a lookup.
+inline DtypeName NoDtype() {
+  static const std::string* const empty = InternDtype("");
+  return empty;
+}
+
 // Everything the user may want to know about one donation, also after the
 // tensor is gone.  Shared by the ledger's history and the poisoned tensor.
 struct Record {
@@ -65,7 +75,7 @@ struct Record {
   FilePtr file;       // never null
   int line = 0;
   Dims shape;
-  std::string dtype;  // short XLA-style name: f32, bf16, s64, pred, ...
+  DtypeName dtype = NoDtype();  // short XLA-style name: f32, bf16, s64, pred, ...
   int64_t nbytes = 0;
   Verdict verdict = Verdict::kMarked;
   Via via = Via::kDonateBuffer;
@@ -111,10 +121,11 @@ class Ledger {
  public:
   static constexpr size_t kHistorySteps = 64;
 
-  // Marks `tensor` for the next step.  Returns nullptr when it is already
-  // marked: marking twice before a step counts once.
-  RecordPtr Mark(py::object tensor, FilePtr file, int line, Dims shape, std::string dtype,
-                 int64_t nbytes, Via via = Via::kDonateBuffer, int64_t version = -1);
+  // Marks `tensor` for the next step, its record in `record` if given.
+  // False when it is already marked: marking twice before a step counts
+  // once.
+  bool Mark(py::object tensor, FilePtr file, int line, Dims shape, DtypeName dtype, int64_t nbytes,
+            Via via = Via::kDonateBuffer, int64_t version = -1, RecordPtr* record = nullptr);
 
   // Removes a pending mark; returns its record (verdict kCancelled) or
   // nullptr when the tensor was not marked.
@@ -165,7 +176,10 @@ class Ledger {
   int64_t step_ = 0;  // number of step barriers that committed marks
   int64_t generation_ = 0;
   std::vector<Mark_> marks_;  // in marking order; unmarked slots are empty
-  PtrIndex index_;            // tensor -> slot in marks_
+  // The step before's marks_, emptied, with its capacity: the next step's
+  // (base/scratch.h says why a block per step is dear).
+  std::vector<Mark_> spare_;
+  PtrIndex index_;  // tensor -> slot in marks_
   std::deque<StepStats> history_;
   StepStats totals_;
 };

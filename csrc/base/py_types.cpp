@@ -50,7 +50,7 @@ PyObject* GetId(PyObject* self, void*) { return PyLong_FromLongLong(R(self).id);
 PyObject* GetStep(PyObject* self, void*) { return PyLong_FromLongLong(R(self).step); }
 PyObject* GetFile(PyObject* self, void*) { return Str(*R(self).file); }
 PyObject* GetLine(PyObject* self, void*) { return PyLong_FromLong(R(self).line); }
-PyObject* GetDtype(PyObject* self, void*) { return Str(R(self).dtype); }
+PyObject* GetDtype(PyObject* self, void*) { return Str(*R(self).dtype); }
 PyObject* GetNbytes(PyObject* self, void*) { return PyLong_FromLongLong(R(self).nbytes); }
 PyObject* GetVerdict(PyObject* self, void*) { return VerdictObject(R(self).verdict); }
 PyObject* GetShapeString(PyObject* self, void*) { return Str(R(self).ShapeString()); }

@@ -40,8 +40,8 @@ int Truth(PyObject* o) {
 }
 
 struct DtypeInfo {
-  std::string name;
-  int64_t itemsize;
+  DtypeName name = nullptr;  // interned
+  int64_t itemsize = 0;
 };
 // Keyed by the dtype object (torch dtypes are singletons); the map holds a
 // reference to each key so an address is never reused for another dtype.
@@ -58,8 +58,10 @@ const DtypeInfo* LookupDtype(PyObject* dtype) {
   bool ok = PyTuple_Check(info) && PyTuple_GET_SIZE(info) == 2 &&
             PyUnicode_Check(name = PyTuple_GET_ITEM(info, 0)) &&
             PyLong_Check(size = PyTuple_GET_ITEM(info, 1));
+  const char* utf8 = ok ? PyUnicode_AsUTF8(name) : nullptr;
+  ok = utf8 != nullptr;
   if (ok) {
-    d.name = PyUnicode_AsUTF8(name);
+    d.name = InternDtype(utf8);
     d.itemsize = PyLong_AsLongLong(size);
   }
   Py_DECREF(info);
@@ -240,7 +242,7 @@ int SetDonor(PyObject* t, bool donate) {
   return Truth(PyObject_Vectorcall(g_hooks.set_donor, args, 2, nullptr));
 }
 
-int Describe(PyObject* t, TensorFacts& facts, Dims* shape, std::string* dtype, int64_t* nbytes) {
+int Describe(PyObject* t, TensorFacts& facts, Dims* shape, DtypeName* dtype, int64_t* nbytes) {
   if (facts.symbolic_sizes) return 0;
   int64_t numel = 1;
   for (int64_t d : facts.sizes) numel *= d;

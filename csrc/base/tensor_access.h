@@ -115,7 +115,7 @@ bool PendingFlags(PyObject* list, std::vector<char>* out);
 // Shape, XLA dtype name and byte size of `t` (whose `facts` were read with
 // sizes); the shape is copied from `facts.sizes`.  1 ok, 0 unusual
 // (symbolic sizes: the Python path decides), -1 error.
-int Describe(PyObject* t, TensorFacts& facts, Dims* shape, std::string* dtype, int64_t* nbytes);
+int Describe(PyObject* t, TensorFacts& facts, Dims* shape, DtypeName* dtype, int64_t* nbytes);
 
 // True when the one reference its entry holds is the only way to reach `t`
 // (no other Python reference, no weak reference, no C++ owner of its

@@ -8,6 +8,7 @@
 
 #include "base/ledger.h"
 #include "base/py_types.h"
+#include "base/scratch.h"
 #include "base/tensor_access.h"
 #include "lazy/reaper.h"
 #include "outcomes/poison.h"
@@ -319,14 +320,16 @@ py::tuple SettleEntries(py::list entries, bool certain) {
   RequireBound();
   py::list unknown, unused;
   PrefetchEntries(entries.ptr());
-  std::vector<Record*> reused;  // settled together, also when a read raises
+  // Settled together, also when a read raises; the thread's scratch
+  // (base/scratch.h).
+  Scratch<Record*> reused;
   struct SettleReused {
     std::vector<Record*>* records;
     ~SettleReused() { GlobalLedger().SettleAll(*records, Verdict::kReused); }
   };
   ReapBatch batch;  // the consumed buffers the verdicts let go: one handover
   {
-    SettleReused settle{&reused};
+    SettleReused settle{reused.get()};
     for (size_t i = 0, n = entries.size(); i < n; ++i) {
       PyObject* entry = PyList_GET_ITEM(entries.ptr(), i);
       const RecordPtr* rec;
@@ -337,7 +340,7 @@ py::tuple SettleEntries(py::list entries, bool certain) {
       int deleted = buffer ? HeldBufferConsumed(buffer) : BufferDeleted(t);
       Check(deleted >= 0);
       if (deleted) {
-        reused.push_back(record.get());
+        reused->push_back(record.get());
       } else {
         Check(PyList_Append((certain ? unused : unknown).ptr(), entry) == 0);
       }

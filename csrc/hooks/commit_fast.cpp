@@ -7,6 +7,7 @@
 
 #include "base/ledger.h"
 #include "base/py_types.h"
+#include "base/scratch.h"
 #include "base/tensor_access.h"
 #include "lazy/lazy_reads.h"
 #include "lazy/live_tensors.h"
@@ -45,46 +46,53 @@ void DisarmFirst(PyObject* const* tensors, size_t n) {
     if (SetDonor(tensors[i], false) < 0) PyErr_Clear();
 }
 
-// commit_fast() -> (step, tensors, records, donors)  (records None with donors)
+// commit_fast() -> (step, tensors, records, donors)
 //
 // Takes every mark into a new step (begin_step) and, when each donor is
 // plain (Plain), no live tensor is a copy made from one in this step (the
 // walk, live_tensors.h) and torch_xla accepts each donor flag, arms them
-// all and returns the armed entries as `donors`: the decide and arm stages
-// of _hooks/commit.py in one pass, for the common step.  Otherwise
-// `donors` is None and nothing was settled or armed: the caller runs those
-// stages on `tensors` and `records`, as after begin_step.
+// all and returns the armed entries as `donors`, with `tensors` and
+// `records` None: the decide and arm stages of _hooks/commit.py in one
+// pass, for the common step.  Otherwise `donors` is None and nothing was
+// settled or armed: the caller runs those stages on `tensors` and
+// `records`, as after begin_step.  Its vectors are the thread's scratch
+// (base/scratch.h): the common step asks malloc for one block, the list of
+// entries.
 py::tuple CommitFast() {
   RequireBound();
-  std::vector<py::object> owned;
-  std::vector<RecordPtr> recs;
-  const int64_t step = GlobalLedger().BeginStep(&owned, &recs);
-  const size_t n = owned.size();
-  py::list tensors(n);
-  for (size_t i = 0; i < n; ++i)
-    PyList_SET_ITEM(tensors.ptr(), static_cast<Py_ssize_t>(i), owned[i].release().ptr());
-  // The records' Python faces only for the Python stages: the entries of
-  // the common step make theirs when Python first asks.
+  Scratch<py::object> owned;  // before the records: let go of last
+  Scratch<RecordPtr> recs;
+  const int64_t step = GlobalLedger().BeginStep(owned.get(), recs.get());
+  const size_t n = owned->size();
+  // The Python stages' lists, for them alone: the entries of the common
+  // step make their records' Python faces when Python first asks.
   auto undecided = [&]() {
-    PyObject* records = RecordList(recs);
+    py::list tensors(n);
+    for (size_t i = 0; i < n; ++i)
+      PyList_SET_ITEM(tensors.ptr(), static_cast<Py_ssize_t>(i), (*owned)[i].inc_ref().ptr());
+    PyObject* records = RecordList(*recs);
     if (!records) throw py::error_already_set();
     return py::make_tuple(step, tensors, py::reinterpret_steal<py::list>(records), py::none());
   };
-  if (n == 0) return py::make_tuple(step, tensors, py::none(), py::list());  // nothing to decide
-  PyObject** items = PySequence_Fast_ITEMS(tensors.ptr());
+  if (n == 0) return py::make_tuple(step, py::none(), py::none(), py::list());  // nothing to do
   if (!LazyReadsEnabled() || LiveTensorArena() == 0) return undecided();
+  Scratch<PyObject*> items_of;
+  items_of->reserve(n);
+  for (const py::object& t : *owned) items_of->push_back(t.ptr());
+  PyObject* const* items = items_of->data();
   PrefetchTensors(items, static_cast<Py_ssize_t>(n));
-  std::vector<DonorKey> keys(n);
+  Scratch<DonorKey> keys;
+  keys->resize(n);
   for (size_t i = 0; i < n; ++i)
-    if (!Plain(items[i], *recs[i], &keys[i])) return undecided();
-  std::vector<std::vector<int64_t>> copies;
+    if (!Plain(items[i], *(*recs)[i], &(*keys)[i])) return undecided();
+  Scratch<std::vector<int64_t>> copies;
   bool walked;
   {
     py::gil_scoped_release no_gil;
-    walked = SameStepCopies(keys, &copies);
+    walked = SameStepCopies(*keys, copies.get());
   }
   if (!walked) return undecided();
-  for (const auto& found : copies)
+  for (const auto& found : *copies)
     if (!found.empty()) return undecided();
   for (size_t i = 0; i < n; ++i) {
     const int armed = SetDonor(items[i], true);
@@ -96,7 +104,7 @@ py::tuple CommitFast() {
   }
   py::list donors(n);
   for (size_t i = 0; i < n; ++i) {
-    PyObject* entry = NewEntry(items[i], recs[i]);
+    PyObject* entry = NewEntry(items[i], (*recs)[i]);
     if (!entry) {
       PyErr_Clear();
       DisarmFirst(items, n);
@@ -104,7 +112,7 @@ py::tuple CommitFast() {
     }
     PyList_SET_ITEM(donors.ptr(), static_cast<Py_ssize_t>(i), entry);
   }
-  return py::make_tuple(step, tensors, py::none(), donors);
+  return py::make_tuple(step, py::none(), py::none(), donors);
 }
 
 }  // namespace
@@ -113,7 +121,8 @@ void RegisterCommitFast(PyObject* module) {
   py::module_ m = py::reinterpret_borrow<py::module_>(module);
   m.def("commit_fast", &CommitFast,
         "commit_fast() -> (step, tensors, records, donors): begin_step, then the commit's "
-        "checks and arming in one pass; donors None when the Python stages must decide.");
+        "checks and arming in one pass; donors None when the Python stages must decide, "
+        "tensors and records None when they need not.");
 }
 
 }  // namespace torch_xla_donate

@@ -19,6 +19,7 @@
 #include <utility>
 
 #include "base/prefetch.h"
+#include "base/scratch.h"
 #include "base/tensor_access.h"
 #include "lazy/lazy_tensor_of.h"
 
@@ -97,8 +98,10 @@ uintptr_t LiveTensorArena() { return g_arena.load(std::memory_order_acquire); }
 bool ForEachLiveTensor(const std::function<void(const LiveTensor&)>& visit) {
   const uintptr_t arena = LiveTensorArena();
   if (arena == 0) return false;
-  // Released only after the locks are (see live_tensors.h).
-  std::vector<std::shared_ptr<LazyTensor::Data>> alive;
+  // Released only after the locks are (see live_tensors.h); the thread's
+  // scratch (base/scratch.h).
+  Scratch<std::shared_ptr<LazyTensor::Data>> alive_of;
+  std::vector<std::shared_ptr<LazyTensor::Data>>& alive = *alive_of;
   ArenaAccess::ForAll(reinterpret_cast<Arena*>(arena), [&](ArenaAccess::DeviceContext* ctx) {
     std::lock_guard<std::mutex> lock(ctx->lock);
     const size_t first = alive.size();
@@ -153,9 +156,16 @@ bool DonorKeyOfFacts(const LazyFacts& facts, DonorKey* key) {
 
 bool SameStepCopies(const std::vector<DonorKey>& donors, std::vector<std::vector<int64_t>>* out) {
   out->assign(donors.size(), {});
-  using Key = std::pair<uintptr_t, size_t>;   // (node or buffer, donor index)
-  std::vector<Key> nodes, buffers, borrowed;  // borrowed: donors without a handle
-  std::vector<int64_t> ids;
+  using Key = std::pair<uintptr_t, size_t>;  // (node or buffer, donor index)
+  // The thread's scratch (base/scratch.h): no block of malloc's per step.
+  Scratch<Key, struct NodesTag> nodes_of;
+  Scratch<Key, struct BuffersTag> buffers_of;
+  Scratch<Key, struct BorrowedTag> borrowed_of;  // donors without a handle
+  Scratch<int64_t, struct IdsTag> ids_of;
+  std::vector<Key>& nodes = *nodes_of;
+  std::vector<Key>& buffers = *buffers_of;
+  std::vector<Key>& borrowed = *borrowed_of;
+  std::vector<int64_t>& ids = *ids_of;
   for (auto* keys : {&nodes, &buffers}) keys->reserve(donors.size());
   ids.reserve(donors.size());
   for (size_t i = 0; i < donors.size(); ++i) {

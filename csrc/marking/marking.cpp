@@ -74,7 +74,7 @@ int CommonChecks(PyObject* t, TensorFacts* facts) {
 struct Candidate {
   PyObject* tensor = nullptr;  // borrowed
   Dims shape;
-  std::string dtype;
+  DtypeName dtype = nullptr;
   int64_t nbytes = 0;
   int64_t version = -1;
   bool is_functional = false;
@@ -133,8 +133,7 @@ Via ViaArg(PyObject* const* args, Py_ssize_t nargs, Py_ssize_t i) {
 // False if the tensor was marked already (the ledger changed nothing).
 bool MarkCandidate(Candidate&& c, const FilePtr& file, int line, Via via) {
   return GlobalLedger().Mark(py::reinterpret_borrow<py::object>(c.tensor), file, line,
-                             std::move(c.shape), std::move(c.dtype), c.nbytes, via,
-                             c.version) != nullptr;
+                             std::move(c.shape), c.dtype, c.nbytes, via, c.version);
 }
 
 // The fast path of one mark: 1 once `t` is marked (blaming `where`, see

@@ -44,13 +44,13 @@ class _Spy:
 
     def commit_fast(self):
         step, tensors, records, donors = self._real.commit_fast()
-        flags = [xla.donor_flag(t) for t in tensors]
-        # The pass makes no Record object for the stages it spared: the
-        # entries make theirs when asked.
-        assert (records is None) == (donors is not None)
-        verdicts = [r.verdict for _, r in donors] if records is None else [
-            r.verdict for r in records]
-        if tensors:  # a barrier with marks
+        # The pass makes no list or Record object for the stages it spared:
+        # the entries make their records when asked.
+        assert (records is None) == (tensors is None) == (donors is not None)
+        pairs = list(zip(tensors, records)) if donors is None else [(t, r) for t, r in donors]
+        flags = [xla.donor_flag(t) for t, _ in pairs]
+        verdicts = [r.verdict for _, r in pairs]
+        if pairs:  # a barrier with marks
             self.calls.append((donors is not None, flags, verdicts))
         return step, tensors, records, donors
 

@@ -86,11 +86,33 @@ def after_commit(device, donors, certain: bool) -> None:
     (the execution was waited for).  Called with the lock held."""
     global _in_flight
     earlier, others = devices.split_by_device(_in_flight, device)
-    # Already the state to keep if settling raises (strict mode's
-    # UnusedDonationError): this execution's donors stay in flight.
-    _in_flight = others + earlier + donors
-    _in_flight = others + _settle(earlier, certain=True) + _settle(donors, certain=certain)
+    try:
+        earlier = _settle(earlier, certain=True)
+        donors = _settle(donors, certain=certain)
+    finally:
+        # Also if settling raises (strict mode's UnusedDonationError): what
+        # it did not settle stays in flight (settled entries are skipped).
+        _in_flight = _joined(others, earlier, donors)
     notify_settled()
+
+
+def _joined(*lists) -> list:
+    """The entries of ``lists`` in one list: the one non-empty list itself
+    when there is only one, as in a loop whose step before has settled.
+
+    The tricky case: a list of hundreds of entries is a block malloc gives
+    only after merging the small blocks freed since, which torch then takes
+    again more slowly (csrc/base/scratch.h); one per step showed in the
+    async loop's count.
+
+    >>> a = [1]
+    >>> _joined([], a, []) is a
+    True
+    """
+    full = [entries for entries in lists if entries]
+    if len(full) == 1:
+        return full[0]
+    return [e for entries in full for e in entries]
 
 
 def abandon(entries, verdict) -> None:
