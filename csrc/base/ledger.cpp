@@ -140,14 +140,16 @@ void Ledger::CompactLocked() {
 
 int64_t Ledger::BeginStep(std::vector<py::object>* tensors, std::vector<RecordPtr>* records,
                           const std::vector<PyObject*>* only) {
-  std::vector<Mark_> marks;
+  // The thread's scratch (base/scratch.h): swapped with marks_, it leaves
+  // marks_ empty with a step's capacity.
+  Scratch<Mark_> taken;
+  std::vector<Mark_>& marks = *taken;
   int64_t step;
   {
     std::lock_guard<std::mutex> lock(mu_);
     step = ++step_;
     if (only == nullptr) {
       marks.swap(marks_);
-      marks_.swap(spare_);  // empty, with the capacity of a step before
       index_.Clear();
     } else {
       // Take the listed marks out, leaving tombstones (as Unmark does).
@@ -192,11 +194,6 @@ int64_t Ledger::BeginStep(std::vector<py::object>* tensors, std::vector<RecordPt
     if (!m.record) continue;
     tensors->push_back(std::move(m.tensor));
     records->push_back(std::move(m.record));
-  }
-  if (only == nullptr) {
-    marks.clear();  // moved from: nothing is let go of
-    std::lock_guard<std::mutex> lock(mu_);
-    if (marks.capacity() > spare_.capacity()) spare_.swap(marks);
   }
   return step;
 }

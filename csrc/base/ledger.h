@@ -176,10 +176,7 @@ class Ledger {
   int64_t step_ = 0;  // number of step barriers that committed marks
   int64_t generation_ = 0;
   std::vector<Mark_> marks_;  // in marking order; unmarked slots are empty
-  // The step before's marks_, emptied, with its capacity: the next step's
-  // (base/scratch.h says why a block per step is dear).
-  std::vector<Mark_> spare_;
-  PtrIndex index_;  // tensor -> slot in marks_
+  PtrIndex index_;            // tensor -> slot in marks_
   std::deque<StepStats> history_;
   StepStats totals_;
 };
