@@ -122,35 +122,44 @@ def round_robin(modes, r):
     return modes[k:] + modes[:k]
 
 
-def interleaved_rates(step, modes, windows: int, steps: int, wait) -> tuple:
+def interleaved_rates(step, modes, windows: int, steps: int, wait) -> dict:
     """Runs ``step(mode)`` for every mode in one process: 5 steps each to
     compile its graph, then ``windows`` rounds in which each mode, in
     ``round_robin`` order, runs ``steps`` steps (after one that settles what
     the previous mode left open).  ``wait()`` waits for the device, also at
-    the end of each window.  Returns (steps per second of each window, by
-    mode; collections Python's garbage collector ran per generation during
-    each mode's windows: a count, which does not drift, and which a median
-    of windows does not drop the way it drops a window with a full
-    collection in it)."""
+    the end of each window.  Returns, by mode:
+
+    * ``rates``: steps per second of each window;
+    * ``loop_cpu`` and ``process_cpu``: CPU seconds per step of each window,
+      of the loop's thread and of the whole process (every thread: XLA's,
+      the plugin's reaper).  Beside the rate they tell a loop that computes
+      more from one that waits more (a lock, the device, the other CPU
+      taken by another thread);
+    * ``collections``: the collections Python's garbage collector ran per
+      generation during the mode's windows: a count, which does not drift,
+      and which a median of windows does not drop the way it drops a
+      window with a full collection in it."""
     for mode in modes:
         for _ in range(5):
             step(mode)
     wait()
-    rates = {mode: [] for mode in modes}
-    collections = {mode: [0, 0, 0] for mode in modes}
+    out = {key: {mode: [] for mode in modes} for key in ("rates", "loop_cpu", "process_cpu")}
+    out["collections"] = {mode: [0, 0, 0] for mode in modes}
     for w in range(windows):
         for mode in round_robin(modes, w):
             step(mode)
             wait()
             before = [g["collections"] for g in gc.get_stats()]
-            start = time.perf_counter()
+            start, thread0, process0 = time.perf_counter(), time.thread_time(), time.process_time()
             for _ in range(steps):
                 step(mode)
             wait()
-            rates[mode].append(steps / (time.perf_counter() - start))
+            out["rates"][mode].append(steps / (time.perf_counter() - start))
+            out["loop_cpu"][mode].append((time.thread_time() - thread0) / steps)
+            out["process_cpu"][mode].append((time.process_time() - process0) / steps)
             for i, g in enumerate(gc.get_stats()):
-                collections[mode][i] += g["collections"] - before[i]
-    return rates, collections
+                out["collections"][mode][i] += g["collections"] - before[i]
+    return out
 
 
 def floor_sync(xlac, donors, sync) -> None:
