@@ -34,20 +34,26 @@ MODES = {
 }
 
 
-@pytest.fixture(scope="module")
-def runs():
+def _run(modes) -> dict:
+    """Runs the example in each of ``modes`` at once, one process each:
+    {mode: (stdout, stderr)}."""
     env = dict(os.environ, PJRT_DEVICE="CPU")
     # The package from this checkout, installed or not.
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(EXAMPLE.parents[1]), env.get("PYTHONPATH")]))
-    procs = {mode: subprocess.Popen([sys.executable, str(EXAMPLE), *ARGS, *extra], env=env,
+    procs = {mode: subprocess.Popen([sys.executable, str(EXAMPLE), *ARGS, *MODES[mode]], env=env,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for mode, extra in MODES.items()}
+             for mode in modes}
     out = {}
     for mode, proc in procs.items():
         stdout, stderr = proc.communicate(timeout=300)
         assert proc.returncode == 0, f"{mode} failed:\n{stdout}\n{stderr}"
         out[mode] = (stdout, stderr)
     return out
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return _run(MODES)
 
 
 def _number(pattern, text) -> float:
@@ -85,18 +91,29 @@ def test_every_step_donates_the_whole_cache_and_every_buffer_is_reused(runs, kin
 
 @pytest.mark.parametrize("kind", ["lazy", "compiled"])
 def test_the_donated_cache_costs_no_second_copy_at_peak(runs, kind):
-    cache = _number(r"the cache is ([0-9.]+) MiB", runs[kind][0])
-    grew = r"peak memory growth while serving: ([0-9.]+) MiB"
-    donated = _number(grew, runs[kind][0])
-    plain = _number(grew, runs[f"{kind}, no donation"][0])
     # Without donation a step holds the old and the new cache; with it, the
     # new cache is written over the old one (what remains is the prefill's
     # attention scores and noise).  The plain run's growth is about one cache
     # or more (torch_xla 2.7 compiled: 60 MiB for a 64 MiB cache), which shows
     # the measurement sees a copy.  (torch_xla 2.8 lazy gave 54.5 donated
     # against 58.0 plain once: the small cache is near the allocator's noise.)
-    assert donated < cache, (donated, cache, plain)
-    assert plain > 0.75 * cache, (donated, cache, plain)
+    # A plain run that shows no copy measured nothing (the resident
+    # high-water mark read 18.9 and 34.6 MiB twice in CI, with the four runs
+    # sharing two CPUs): the pair runs again, up to twice, and the donated
+    # run is judged beside a plain one that saw the copy.
+    grew = r"peak memory growth while serving: ([0-9.]+) MiB"
+    pair, seen = {kind: runs[kind], f"{kind}, no donation": runs[f"{kind}, no donation"]}, []
+    for attempt in range(3):
+        if attempt:
+            pair = _run([kind, f"{kind}, no donation"])
+        cache = _number(r"the cache is ([0-9.]+) MiB", pair[kind][0])
+        donated = _number(grew, pair[kind][0])
+        plain = _number(grew, pair[f"{kind}, no donation"][0])
+        seen.append((donated, plain))
+        if plain > 0.75 * cache:
+            break
+    assert plain > 0.75 * cache, f"no plain run saw a copy of the {cache} MiB cache: {seen}"
+    assert donated < cache, (donated, cache, seen)
 
 
 @pytest.mark.parametrize("mode", list(MODES))
