@@ -83,8 +83,6 @@ int64_t OwnerId(const BackendData& buffer) {
 void ReadBuffer(BackendData& buffer, LazyFacts* out) {
   out->buffer = reinterpret_cast<uintptr_t>(&buffer);
   out->has_value = buffer.HasValue();
-  // torch_xla's GetHandle() refuses a deleted buffer.
-  out->handle = out->has_value ? buffer.GetHandle() : 0;
   out->owner_tensor_id = OwnerId(buffer);
 }
 
@@ -123,6 +121,17 @@ bool Read(c10::TensorImpl* outer, LazyFacts* out) {
 }
 
 }  // namespace
+
+int64_t BufferHandle(uintptr_t address) {
+  if (address == 0) return 0;
+  auto* buffer = reinterpret_cast<BackendData*>(address);
+  try {
+    // torch_xla's GetHandle() refuses a deleted buffer.
+    return buffer->HasValue() ? buffer->GetHandle() : 0;
+  } catch (...) {
+    return 0;
+  }
+}
 
 const c10::Symbol& DeviceDataOp() {
   static const c10::Symbol op = c10::Symbol::fromQualString("xla::device_data");

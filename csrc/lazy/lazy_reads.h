@@ -67,7 +67,6 @@ struct LazyFacts {
   long xla_tensor_refcount = 0;
   uintptr_t buffer = 0;   // address of the BackendData: one buffer, one address
   uintptr_t ir_node = 0;  // address of the cached IR value's node, 0 without
-  int64_t handle = 0;     // BackendData::GetHandle() (`_get_tensors_handle`); 0 without value
 
   bool consumed() const { return has_handle && !has_value; }  // `_is_placecholder`
   // No holder of the buffer, nor owner of the XLA tensor, beyond a clean
@@ -88,6 +87,13 @@ bool LearnXlaTensorType(uintptr_t impl, std::string* why);
 // answer where these headers cannot see (see above).  Never throws.
 // Independent of SetLazyReadsEnabled: the self-test reads before enabling.
 bool ReadLazyFacts(uintptr_t impl, LazyFacts* out);
+
+// BackendData::GetHandle() (`_get_tensors_handle`) of the buffer at `buffer`
+// (LazyFacts::buffer, read while its tensor lives); 0 for 0, for a buffer
+// without a value, and if torch_xla refuses.  Not part of ReadLazyFacts: no
+// decision needs it, and torch_xla's GetHandle tests the value again (a lock
+// of the device buffer), a second time per read on every donor.
+int64_t BufferHandle(uintptr_t buffer);
 
 // Before a pass over many tensors no code has touched for a while (the
 // commit's first read of its donors, the poisoning after the barrier):
