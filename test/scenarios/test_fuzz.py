@@ -62,6 +62,7 @@ hypothesis cannot replay it; ``TDX_FUZZ_LOG=file`` appends each failing
 program as it happens, ``TDX_FUZZ_TRACE=file`` every example's draws (feed
 them back through ``fuzz_program.Program`` with a stand-in for ``data`` to replay a run).
 """
+import importlib
 import os
 import time
 import warnings
@@ -129,6 +130,31 @@ def fuzz_report(request):
         # miss the rare ones, "updated in place" and "dropped").
         missing = [k for k in COVERED if STATS[k] == 0]
         assert not missing, f"the fuzz run never reached: {missing} ({line})"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def seed_alone_decides():
+    """Hypothesis mixes into its draws literals it finds in every "local"
+    module loaded so far (``providers._get_local_constants``: this checkout's
+    package, tests and benchmarks, outside site-packages).  So the fixed
+    seed drew other programs after an unrelated test had imported
+    ``benchmarks/_common.py`` (392 steps instead of 314, and no update in
+    place: the coverage check failed), and would after any new literal in
+    the package.  Here only the seed decides: no local constants (the
+    global ones stay), and the cache built from them dropped."""
+    providers = importlib.import_module("hypothesis.internal.conjecture.providers")
+    get = getattr(providers, "_get_local_constants", None)
+    if get is None:  # a Hypothesis without local constants: nothing to turn off
+        yield
+        return
+    empty = providers.Constants()
+    providers.CONSTANTS_CACHE.cache.clear()
+    providers._get_local_constants = lambda: empty
+    try:
+        yield
+    finally:
+        providers._get_local_constants = get
+        providers.CONSTANTS_CACHE.cache.clear()
 
 
 # A seed whose 150 programs reach every verdict several times and run wide
