@@ -209,9 +209,9 @@ def _status_mib(field: str) -> float:
 def _settled_rss(quiet=0.25, limit=3.0) -> float:
     """The resident size once it has stopped falling for ``quiet`` seconds
     (at most ``limit``).  After the device is waited for, XLA still frees
-    the buffers of inputs the last steps dropped on threads of its own: a
-    32 MiB half of the warm-up's old cache went 50 ms later, with four
-    runs sharing two CPUs.  A base read before that counts memory the
+    the buffers of inputs the last steps dropped on threads of its own: up
+    to the whole 64 MiB old cache of the warm-up went within 50 ms, with
+    four runs sharing two CPUs.  A base read before that counts memory the
     serving loop never needs, and the growth measured from it comes out a
     buffer short."""
     last, start = _status_mib("VmRSS:"), time.monotonic()

@@ -139,8 +139,8 @@ def seed_alone_decides():
     package, tests and benchmarks, outside site-packages).  So the fixed
     seed drew other programs after an unrelated test had imported
     ``benchmarks/_common.py`` (392 steps instead of 314, and no update in
-    place: the coverage check failed), and would after any new literal in
-    the package.  Here only the seed decides: no local constants (the
+    place: the coverage check failed), and could after any new literal in
+    a module of the checkout.  Here only the seed decides: no local constants (the
     global ones stay), and the cache built from them dropped."""
     providers = importlib.import_module("hypothesis.internal.conjecture.providers")
     get = getattr(providers, "_get_local_constants", None)
