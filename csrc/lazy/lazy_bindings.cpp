@@ -61,8 +61,7 @@ constexpr const char* kFields[] = {
 py::object FactsTuple(const LazyFacts& f) {
   return py::make_tuple(f.is_functional, f.tensor_id, f.has_handle, f.has_value, f.has_ir,
                         f.ir_is_device_data, f.pending, f.buffer_use_count, f.expected_holders,
-                        f.owner_tensor_id, f.xla_tensor_refcount, f.buffer,
-                        f.has_value ? BufferHandle(f.buffer) : 0);
+                        f.owner_tensor_id, f.xla_tensor_refcount, f.buffer, BufferHandle(f.buffer));
 }
 
 // The facts of `t`, read even while native reads are off when `force` (the
