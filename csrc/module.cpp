@@ -200,6 +200,10 @@ PYBIND11_MODULE(_C, m) {
       "What poisoning reads for a functional tensor: the wrapped tensor's Python object, as "
       "torch._from_functional_tensor gives it, through torch's THPVariable_Wrap (variable.h); "
       "None for another tensor or when that function was not found.");
+  m.def(
+      "watch_deaths", [](py::handle cls) { return WatchDeaths(cls.ptr()); }, py::arg("cls"),
+      "Lets an entry's weak hold on a poisoned tensor of class `cls` go as the tensor dies "
+      "(poison.h WatchDeaths); False if the class's deallocation is not torch's.");
   m.def("functional_inner_native", &FunctionalInnerIsNative,
         "Whether poisoning found torch's THPVariable_Wrap (else it calls the builtin).");
   m.def("set_functional_inner_native", &SetFunctionalInnerNative, py::arg("on"),

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "base/prefetch.h"
+#include "base/ptr_index.h"
 #include "base/variable.h"
 
 namespace py = pybind11;
@@ -158,6 +159,19 @@ PyObject* RecordObject(PyEntry* e) {
   return e->record;
 }
 
+// The weakened entries by their tensor's TensorImpl address (`weak`), for
+// WeakenedTensorDying.  A key's memory cannot be reused while it is here:
+// the entry's weak reference keeps it.  The GIL guards it.
+PtrIndex g_weakened;
+
+// Lets go of `e`'s weak reference to its tensor (which may live on).
+void DropWeak(PyEntry* e) {
+  const uintptr_t weak = e->weak;
+  g_weakened.Erase(reinterpret_cast<const void*>(weak));
+  e->weak = 0;
+  WeakTensorDrop(weak);
+}
+
 // Hands `buffer` to the entry's record and lets go of the tensor, keeping
 // it weakly if `weak`.  False (nothing changed) for no Entry, or one whose
 // tensor is gone already.
@@ -168,6 +182,7 @@ bool KeepBufferOnRecord(PyObject* entry, HeldBuffer* buffer, uintptr_t weak) {
   RecordOf(e).held = {buffer, [](void* b) { DropBuffer(static_cast<HeldBuffer*>(b)); }};
   e->buffer_on_record = true;
   e->weak = weak;
+  if (weak != 0) g_weakened.Set(reinterpret_cast<const void*>(weak), reinterpret_cast<size_t>(e));
   Py_INCREF(Py_None);
   Py_SETREF(e->tensor, Py_None);  // frees a released donor; a weakened one lives on
   return true;
@@ -176,7 +191,7 @@ bool KeepBufferOnRecord(PyObject* entry, HeldBuffer* buffer, uintptr_t weak) {
 void EntryDealloc(PyObject* self) {
   auto* e = reinterpret_cast<PyEntry*>(self);
   if (e->buffer_on_record) RecordOf(e).held.reset();  // an open verdict reads the tensor's own
-  if (e->weak != 0) WeakTensorDrop(e->weak);          // before the inner: see EntryLetGoOfDead
+  if (e->weak != 0) DropWeak(e);                      // before the inner: see EntryLetGoOfDead
   Py_CLEAR(e->inner);
   Py_CLEAR(e->tensor);
   Py_CLEAR(e->record);
@@ -361,14 +376,20 @@ bool EntryKeepInner(PyObject* entry, PyObject* inner) {
 void EntryLetGoOfDead(PyObject* entry) {
   if (Py_TYPE(entry) != g_entry_type) return;
   auto* e = reinterpret_cast<PyEntry*>(entry);
-  if (e->weak == 0 || WeakTensorAlive(e->weak)) return;
-  // The wrapper's TensorImpl first: it holds the inner one until its memory
-  // goes, and the inner's Python object must die with nothing else
-  // holding it (else torch keeps it for that holder, and destroys it later
-  // inside that holder's deallocation).
-  WeakTensorDrop(e->weak);
-  e->weak = 0;
-  Py_CLEAR(e->inner);
+  if (e->weak != 0) {
+    if (WeakTensorAlive(e->weak)) return;
+    // The wrapper's TensorImpl first: it holds the inner one until its
+    // memory goes, and the inner's Python object must die with nothing else
+    // holding it (else torch keeps it for that holder, and destroys it later
+    // inside that holder's deallocation).
+    DropWeak(e);
+  }
+  Py_CLEAR(e->inner);  // also once WeakenedTensorDying let go of the wrapper
+}
+
+void WeakenedTensorDying(uintptr_t impl) {
+  const size_t* slot = g_weakened.Find(reinterpret_cast<const void*>(impl));
+  if (slot != nullptr) DropWeak(reinterpret_cast<PyEntry*>(*slot));
 }
 
 const HeldBuffer* EntryBuffer(PyObject* entry) {

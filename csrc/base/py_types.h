@@ -75,6 +75,12 @@ bool EntryKeepInner(PyObject* entry, PyObject* inner);
 // XLATensors would otherwise live through the barrier, more tensors for
 // torch_xla to walk).  Nothing for anything else.
 void EntryLetGoOfDead(PyObject* entry);
+// A tensor's Python object is about to die, the last owner of the
+// TensorImpl at `impl` (outcomes/poison.h WatchDeaths): the entry that
+// keeps it weakly, if any, lets go of its weak reference, so that the
+// TensorImpl dies with the object.  The inner it may keep goes at the
+// next barrier (EntryLetGoOfDead).  With the GIL.
+void WeakenedTensorDying(uintptr_t impl);
 // The buffer a released or weakened Entry keeps, or nullptr (a tuple, an
 // entry holding its tensor, one whose verdict is in).
 const HeldBuffer* EntryBuffer(PyObject* entry);

@@ -74,7 +74,49 @@ int TakeTwinClass(PyObject* t, bool refuses_operators) {
   return twin ? SwapClass(t, twin) : -1;
 }
 
+// A poisoned tensor's Python object is about to die (its finalizer: torch's
+// deallocation of a tensor subclass calls it once it has made sure that
+// object is the TensorImpl's last owner, and clears it right after): an
+// entry's weak reference to that TensorImpl goes now
+// (py_types.h WeakenedTensorDying), so that the TensorImpl, the tensor it
+// wraps and torch_xla's tensor die with the object, as a plain tensor's do,
+// rather than at the next barrier.
+void TwinFinalize(PyObject* self) {
+  const uintptr_t impl = ImplAddress(self);
+  if (impl != 0) WeakenedTensorDying(impl);
+}
+
+// The finalizers the twins of classes with a `__del__` inherited, by twin.
+std::unordered_map<PyTypeObject*, destructor> g_inherited_finalizers;
+
+// TwinFinalize after the user's own finalizer.  One that keeps the tensor
+// alive (stores it somewhere) leaves it without the entry's weak
+// reference: its verdict then reaches it only through a use, as a tensor
+// its entry let go of.
+void TwinFinalizeAfterTheUsers(PyObject* self) {
+  auto it = g_inherited_finalizers.find(Py_TYPE(self));
+  if (it != g_inherited_finalizers.end()) it->second(self);
+  TwinFinalize(self);
+}
+
 }  // namespace
+
+bool WatchDeaths(PyObject* cls) {
+  if (!PyType_Check(cls)) return false;
+  auto* type = reinterpret_cast<PyTypeObject*>(cls);
+  if (type->tp_finalize == TwinFinalize || type->tp_finalize == TwinFinalizeAfterTheUsers)
+    return true;
+  // Not tp_dealloc: `__class__` assignment requires a twin's to be its
+  // base's.  A finalizer it does not look at.
+  if (type->tp_finalize != nullptr) {  // the user's class has a __del__
+    Py_INCREF(cls);                    // the key's address must not be reused
+    g_inherited_finalizers.emplace(type, type->tp_finalize);
+    type->tp_finalize = TwinFinalizeAfterTheUsers;
+    return true;
+  }
+  type->tp_finalize = TwinFinalize;
+  return true;
+}
 
 void ForgetPoisonClasses() {
   for (auto& cache : g_poison_classes) {

@@ -26,6 +26,11 @@ int TagTensor(PyObject* t, const RecordPtr& record, const std::string& note = st
 // the caller there rather than let go (py_types.h EntryKeepInner); it is
 // set only when 0 is returned and `t` had an inner.
 int Poison(PyObject* t, const RecordPtr& record, PyObject** keep_inner = nullptr);
+// Makes the deaths of `cls`'s instances (a poisoned twin class of
+// poison.py's) let go at once of what entries keep of them weakly
+// (py_types.h WeakenedTensorDying), not at the next barrier; after the
+// finalizer (`__del__`) it inherited, if any.  False if `cls` is no class.
+bool WatchDeaths(PyObject* cls);
 // Drops the cache of poisoned twin classes (poison.py re-bound its hooks).
 void ForgetPoisonClasses();
 

@@ -162,6 +162,7 @@ def _poison_class_for(cls: type, refuses_operators: bool = False) -> type:
     if poisoned is None:
         mixin = _RefusesOperators if refuses_operators else _DonatedTensor
         poisoned = type(f"Donated{cls.__name__}", (mixin, cls), {"_original_class": cls})
+        C.watch_deaths(poisoned)
         _poison_classes[key] = poisoned
     return poisoned
 
