@@ -127,11 +127,13 @@ PyType_Spec kRecordSpec = {
 //
 // Weakened at the commit: a poisoned donor the user still holds is kept
 // through a weak reference and its buffer.  It dies when the loop drops it,
-// as raw donation's do, and a verdict that leaves it its value (UNUSED,
-// STEP_FAILED) still finds it to lift the poison while it lives: indexing
-// or unpacking the entry gives the tensor, or None once it died.  Native
-// code reading an entry in place (EntryParts) sees None: it reads the
-// buffer.
+// as raw donation's do (its poisoned class's finalizer lets go of the weak
+// reference, WeakenedTensorDying: a weak count keeps the TensorImpl's
+// memory, and a functional wrapper's memory keeps torch_xla's tensor), and
+// a verdict that leaves it its value (UNUSED, STEP_FAILED) still finds it
+// to lift the poison while it lives: indexing or unpacking the entry gives
+// the tensor, or None once it died.  Native code reading an entry in place
+// (EntryParts) sees None: it reads the buffer.
 //
 // Either way the buffer rides on the record (Record::held), which lets it
 // go when the verdict is in, or with the entry.

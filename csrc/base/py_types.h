@@ -71,9 +71,10 @@ bool WeakenEntryTensor(PyObject* entry, HeldBuffer* buffer);
 bool EntryKeepInner(PyObject* entry, PyObject* inner);
 // Lets go of what an Entry keeps of its weakened tensor once that died:
 // the weak reference (which keeps the TensorImpl's memory, and what it
-// holds) and the inner (a barrier's release_unheld, before its walks: the
-// XLATensors would otherwise live through the barrier, more tensors for
-// torch_xla to walk).  Nothing for anything else.
+// holds), where the tensor's finalizer did not already
+// (WeakenedTensorDying), and the inner (a barrier's release_unheld, before
+// its walks: the XLATensors would otherwise live through the barrier, more
+// tensors for torch_xla to walk).  Nothing for anything else.
 void EntryLetGoOfDead(PyObject* entry);
 // A tensor's Python object is about to die, the last owner of the
 // TensorImpl at `impl` (outcomes/poison.h WatchDeaths): the entry that

@@ -12,6 +12,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import warnings
 
 import pytest
 
@@ -109,6 +110,10 @@ def test_the_donated_cache_costs_no_second_copy_at_peak(runs, kind):
     pair, seen = {kind: runs[kind], f"{kind}, no donation": runs[f"{kind}, no donation"]}, []
     for attempt in range(3):
         if attempt:
+            # Said in the run's warnings summary: the evidence for dropping
+            # the retry once CI runs show it is never needed.
+            warnings.warn(f"decode {kind}: the plain run saw no copy {seen[-1]}; running the "
+                          "pair again", pytest.PytestWarning, stacklevel=1)
             pair = _run([kind, f"{kind}, no donation"])
         cache = _number(r"the cache is ([0-9.]+) MiB", pair[kind][0])
         donated = _number(grew, pair[kind][0])

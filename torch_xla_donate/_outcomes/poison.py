@@ -156,7 +156,10 @@ _poison_classes = {}
 
 def _poison_class_for(cls: type, refuses_operators: bool = False) -> type:
     """The donated twin of ``cls``: ``nn.Parameter`` stays a Parameter, a user
-    subclass keeps its methods (only tensor operators are refused)."""
+    subclass keeps its methods (only tensor operators are refused).  Its
+    finalizer (``C.watch_deaths``, after a ``__del__`` of ``cls``) lets the
+    ledger's weak hold on a dying instance go, so that torch_xla's tensor
+    dies with it rather than at the next barrier."""
     key = (cls, refuses_operators)
     poisoned = _poison_classes.get(key)
     if poisoned is None:
