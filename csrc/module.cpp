@@ -203,7 +203,7 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "watch_deaths", [](py::handle cls) { return WatchDeaths(cls.ptr()); }, py::arg("cls"),
       "Lets an entry's weak hold on a poisoned tensor of class `cls` go as the tensor dies "
-      "(poison.h WatchDeaths); False if the class's deallocation is not torch's.");
+      "(poison.h WatchDeaths), after a __del__ it inherited; False if `cls` is no class.");
   m.def("functional_inner_native", &FunctionalInnerIsNative,
         "Whether poisoning found torch's THPVariable_Wrap (else it calls the builtin).");
   m.def("set_functional_inner_native", &SetFunctionalInnerNative, py::arg("on"),
