@@ -12,6 +12,7 @@ instead of leaving the old step's tensors alive until the next barrier
 (which cost the held loop of ``bench_async.py`` about 3% of its
 throughput).  With the Python poison key the entry also keeps the inner
 tensor's Python object, which goes at the next barrier."""
+import contextlib
 import random
 
 import pytest
@@ -60,18 +61,11 @@ KINDS = {
 }
 
 
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
 
 def _held_step(x, fate, wait):
     """Donates ``x`` and runs its step holding it: (the held donor, the
     step's result)."""
-    with torch_xla.step() if wait == "step_block" else _nothing():
+    with torch_xla.step() if wait == "step_block" else contextlib.nullcontext():
         tdx.donate_buffer(x)
         out = STEPS[fate](x)
         if wait != "step_block":

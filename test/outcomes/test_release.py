@@ -5,6 +5,7 @@ verdict reads the buffer its entry kept, so it still comes out right:
 REUSED when an output took the buffer, UNUSED (and warned) when none
 could.  A donor the user still holds is poisoned and kept only weakly: it
 dies when the loop drops it."""
+import contextlib
 import gc
 import warnings
 import weakref
@@ -39,7 +40,7 @@ def test_a_dropped_donor_dies_at_the_commit_and_its_verdict_is_right(dev, fate, 
     gone = weakref.ref(x)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with torch_xla.step() if wait == "step_block" else _nothing():
+        with torch_xla.step() if wait == "step_block" else contextlib.nullcontext():
             tdx.donate_buffer(x)
             x = STEPS[fate](x)  # the donor's last name rebound
             _barrier(wait)
@@ -74,13 +75,6 @@ def test_a_held_donor_is_kept_and_poisoned_until_its_verdict(dev, fate):
         else:
             assert (old + 1).cpu().tolist() == [i + 1.0 for i in range(16)]
 
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 @pytest.mark.parametrize("fate", sorted(STEPS))
@@ -130,7 +124,7 @@ def test_a_held_donor_costs_the_collector_no_object_of_the_ledgers(dev, wait, po
         """The step's new objects as the collector counts them (gc off)."""
         with collector_off():
             before = gc.get_count()[0]
-            with torch_xla.step() if wait == "step_block" else _nothing():
+            with torch_xla.step() if wait == "step_block" else contextlib.nullcontext():
                 for x in xs if donate else ():
                     tdx.donate_buffer(x)
                 xs = [x * 2 + 1 for x in xs]
