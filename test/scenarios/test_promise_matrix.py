@@ -40,9 +40,11 @@ import pytest
 import torch
 import torch_xla
 import torch_xla.core.xla_model as xm
-from helpers import COPIES, run_python
+from helpers import COPIES, collector_off, run_python
 
 import torch_xla_donate as tdx
+from torch_xla_donate._base import xla
+from torch_xla_donate._outcomes.poison import is_poisoned
 
 N = 64
 SPMD = os.environ.get("TDX_MATRIX_SPMD") == "1"
@@ -218,6 +220,25 @@ def _no_output_fits(p, g, x):
     (A compiled graph that does not read a donated argument at all loses the
     donation with the op the compiler removes: README, Limits.)"""
     return g.sum(0) * 2 + x.sum(0) + p.sum()
+
+
+def test_a_consumed_tensor_the_loop_drops_takes_torch_xlas_tensor_with_it(context, dev):
+    # Held through the barrier, then dropped: the poisoned tensor's entry
+    # keeps it only weakly, and lets go as it dies (test_dropped_donors.py),
+    # so torch_xla's tensor leaves its registry at the ``del``, as a plain
+    # tensor's does, whichever execution committed the donation.  A first
+    # step warms up: dynamo keeps the arguments of the call that compiled
+    # its graph (a plain tensor's too, without this package).
+    warm = context.step(_update, _state(dev, seed=1))
+    p, g, x = _state(dev)
+    with collector_off():
+        new = context.step(_update, (p, g, x))
+        assert is_poisoned(p)
+        before = xla.live_tensor_count()
+        del p
+        assert xla.live_tensor_count() == before - 1
+    tdx.settle()
+    assert bool(torch.isfinite(new.cpu()).all()) and bool(torch.isfinite(warm.cpu()).all())
 
 
 def test_untouched_and_unused_tensors_keep_their_values(context, dev):
