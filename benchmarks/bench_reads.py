@@ -33,7 +33,7 @@ def _rows():
     import torch_xla.core.xla_model as xm
 
     from torch_xla_donate import _C
-    from torch_xla_donate._base import reads
+    from torch_xla_donate._base import guards
 
     X = torch_xla._XLAC
     dev = torch_xla.device()
@@ -41,8 +41,8 @@ def _rows():
     torch_xla.sync()
     xm.wait_device_ops()
     t = ts[0]
-    reads.tensor_id(t)  # the first read runs the self-test
-    assert reads.path() == "native reads", reads.path()
+    guards.decide(t)  # the first mark runs the guards
+    assert guards.state("reads") == "native reads", guards.state("reads")
     return [
         ("loop + id(t)", 1, lambda: id(t)),
         ("tensor id: native", 1, lambda: _C.lazy_tensor_id(t)),

@@ -37,15 +37,15 @@ def child(rounds):
     import torch_xla
     import torch_xla.core.xla_model as xm
 
-    from torch_xla_donate._base import arena, reads, xla
+    from torch_xla_donate._base import arena, guards, xla
     from torch_xla_donate._outcomes import ownership, sharing
 
     dev = torch_xla.device()
     donors = [torch.ones(16).to(dev) + i for i in range(DONORS)]
     torch_xla.sync()
     xm.wait_device_ops()
-    reads.tensor_id(donors[0])
-    assert arena.decide_on(donors[:1]), arena.state()
+    guards.decide(donors[0])
+    assert arena.in_use(), guards.state("walk")
     others, rows = [], []
     for live in LIVE:
         while xla.live_tensor_count() < live:

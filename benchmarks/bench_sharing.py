@@ -8,22 +8,13 @@ one process, in blocks of steps, round-robin:
                       the identity): the plugin before the check existed;
 * ``always-on check`` as shipped: the walk of torch_xla's live tensors for
                       copies made in the step (_base/arena.py) and the
-                      buffers' holder counts, natively;
-* ``walk off``        the fallback without the walk (native reads off, the
-                      registry not found): every donor's handle compared
-                      with those of all live tensors (a walk of the garbage
-                      collector's objects per step).
+                      buffers' holder counts, natively.
 
 Measured: host CPU time (thread time) of the step without the real barrier
 inside ``sync``, per donated tensor, and per step.  The always-on check is
 held to at most 0.5 µs per tensor over ``no check`` (issue #20).
 
-``--slices`` measures the owner query alone, per tensor, by the number of
-tensors asked in one torch_xla call (how ``xla.OWNER_QUERY_SLICE`` was
-chosen), and ``xla.owner_suspects`` natively and in Python at that size:
-each variant in turn, 9 repetitions, the median.
-
-    python benchmarks/bench_sharing.py [--sizes 1000 10000] [--rounds 8] [--slices]
+    python benchmarks/bench_sharing.py [--sizes 1000 10000] [--rounds 8]
 """
 import argparse
 import os
@@ -33,7 +24,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 
-MODES = ["no check", "always-on check", "walk off"]
+MODES = ["no check", "always-on check"]
 TARGET_US = 0.5
 
 
@@ -45,7 +36,6 @@ def child(n: int, rounds: int, block: int) -> dict:
     import torch_xla.core.xla_model as xm
 
     import torch_xla_donate as tdx
-    from torch_xla_donate._base import arena
     from torch_xla_donate._base import xla as _xla
     from torch_xla_donate._outcomes import sharing
 
@@ -55,12 +45,10 @@ def child(n: int, rounds: int, block: int) -> dict:
     xm.wait_device_ops()
     inner = C.time_real_barrier(_xla)
     screen = sharing.screen
-    walk = arena.same_step_copies
 
     def step(mode):
         nonlocal ts
         sharing.screen = (lambda donors, notices: donors) if mode == "no check" else screen
-        arena.same_step_copies = (lambda donors: None) if mode == "walk off" else walk
         inner[0] = 0.0
         c0 = time.thread_time()
         for t in ts:
@@ -89,71 +77,16 @@ def child(n: int, rounds: int, block: int) -> dict:
             "added_ms_per_step": {m: added[m] * 1e3 for m in added}}
 
 
-SLICES = [10, 25, 50, 100, 200, 500, None]  # None: all in one query
-
-
-def child_slices(n: int) -> dict:
-    import torch
-    import torch_xla
-    import torch_xla.core.xla_model as xm
-
-    import torch_xla_donate  # noqa: F401  (the plugin as shipped)
-    from torch_xla_donate._base import xla as _xla
-
-    dev = torch_xla.device()
-    ts = [torch.full((16,), float(i), device=dev) for i in range(n)]
-    torch_xla.sync()
-    ts = torch._foreach_add(ts, 1.0)  # outputs of a graph, as donors are
-    torch_xla.sync()
-    xm.wait_device_ops()
-
-    def ask(size):  # torch_xla's query alone, in this release's form
-        size = size or n
-        for i in range(0, n, size):
-            _xla.buffer_owner_ids(ts[i:i + size])
-
-    variants = {f"query, slices of {k or 'all'}": (lambda k=k: ask(k)) for k in SLICES}
-    variants[f"owner_suspects, native ({_xla.OWNER_QUERY_SLICE})"] = lambda: _xla.owner_suspects(ts)
-    variants[f"owner_suspects, Python ({_xla.OWNER_QUERY_SLICE})"] = (
-        lambda: _xla.owner_suspects(ts, native=False))
-    times = {name: [] for name in variants}
-    for _ in range(9):
-        for name, fn in variants.items():
-            start = time.thread_time()
-            fn()
-            times[name].append(time.thread_time() - start)
-    return {"n": n, "us_per_tensor": {k: C.median(v) * 1e6 / n for k, v in times.items()}}
-
-
-def main_slices(sizes) -> None:
-    results = [C.run_child(__file__, [n, "--slices"]) for n in sizes]
-    names = list(results[0]["us_per_tensor"])
-    rows = [[name] + [f"{r['us_per_tensor'][name]:.2f}" for r in results] for name in names]
-    machine = C.machine()
-    markdown = "\n".join([
-        "# The owner query by slice size (µs per tensor, thread CPU)", "",
-        C.machine_line(machine), "",
-        C.table(["variant"] + [f"{r['n']} tensors" for r in results], rows),
-    ])
-    print(markdown)
-    C.save("sharing_slices", {"machine": machine, "results": results}, markdown)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--sizes", type=int, nargs="+", default=[1000, 10000])
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--block", type=int, default=6)
-    parser.add_argument("--slices", action="store_true",
-                        help="the owner query alone, by slice size")
     args, rest = parser.parse_known_args()
     if args.child:
         n = int(rest[0])
-        C.emit(child_slices(n) if args.slices else child(n, args.rounds, args.block))
-        return
-    if args.slices:
-        main_slices(args.sizes)
+        C.emit(child(n, args.rounds, args.block))
         return
     results = [C.run_child(__file__, [n, "--rounds", args.rounds, "--block", args.block])
                for n in args.sizes]

@@ -23,7 +23,6 @@ BENCHMARKS = {
     "segments": ("bench_segments.py", [], ["--repeats", "1", "--rounds", "4"]),
     "compiles": ("bench_compiles.py", [], ["--steps", "10"]),
     "sharing": ("bench_sharing.py", [], ["--rounds", "3"]),
-    "sharing_slices": ("bench_sharing.py", ["--slices"], ["--slices"]),
     "xnnpack_flag": ("bench_xnnpack_flag.py", [], ["--rounds", "1"]),
     "instructions": ("bench_instructions.py", [], ["--tensors", "50", "--steps", "2"]),
     "async_instructions": ("bench_async_instructions.py", [], ["--tensors", "50", "--steps", "2"]),

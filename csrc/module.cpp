@@ -60,17 +60,9 @@ void Bind(py::kwargs hooks) {
   static const std::pair<const char*, PyObject * Hooks::*> kSlots[] = {
       {"tensor_type", &Hooks::tensor_type},
       {"set_donor", &Hooks::set_donor},
-      {"buffer_deleted", &Hooks::buffer_deleted},
-      {"need_materialization", &Hooks::need_materialization},
       {"storage_use_count", &Hooks::storage_use_count},
-      {"dtype_info", &Hooks::dtype_info},
-      {"tensor_id", &Hooks::tensor_id},
-      {"fast_types", &Hooks::fast_types},
       {"donated_type", &Hooks::donated_type},
-      {"poison_class_for", &Hooks::poison_class_for},
-      {"dispatch_class_for", &Hooks::dispatch_class_for},
-      {"from_functional", &Hooks::from_functional},
-      {"donate_buffer_checked", &Hooks::donate_buffer_checked},
+      {"on_donated_dispatch", &Hooks::on_donated_dispatch},
   };
   for (auto item : hooks) {
     std::string name = py::str(item.first);
@@ -84,11 +76,6 @@ void Bind(py::kwargs hooks) {
       Py_XSETREF(field, value);
     }
     if (!known) throw py::type_error("bind(): unknown hook '" + name + "'");
-    if (name == "fast_types" && !PyTuple_Check(g_hooks.fast_types)) {
-      Py_CLEAR(g_hooks.fast_types);
-      throw py::type_error("bind(): fast_types must be a tuple of types");
-    }
-    if (name == "poison_class_for" || name == "dispatch_class_for") ForgetPoisonClasses();
   }
 }
 
@@ -189,25 +176,9 @@ PYBIND11_MODULE(_C, m) {
       py::arg("record"), py::arg("verdict"));
   m.def("current_step", []() { return GlobalLedger().current_step(); });
   m.def(
-      "functional_inner",
-      [](py::handle t) -> py::object {
-        if (!IsTensor(t.ptr())) throw py::type_error("expected a torch.Tensor");
-        PyObject* inner = FunctionalInnerObject(t.ptr());
-        if (!inner && PyErr_Occurred()) throw py::error_already_set();
-        return inner ? py::reinterpret_steal<py::object>(inner) : py::object(py::none());
-      },
-      py::arg("tensor"),
-      "What poisoning reads for a functional tensor: the wrapped tensor's Python object, as "
-      "torch._from_functional_tensor gives it, through torch's THPVariable_Wrap (variable.h); "
-      "None for another tensor or when that function was not found.");
-  m.def(
       "watch_deaths", [](py::handle cls) { return WatchDeaths(cls.ptr()); }, py::arg("cls"),
       "Lets an entry's weak hold on a poisoned tensor of class `cls` go as the tensor dies "
       "(poison.h WatchDeaths), after a __del__ it inherited; False if `cls` is no class.");
-  m.def("functional_inner_native", &FunctionalInnerIsNative,
-        "Whether poisoning found torch's THPVariable_Wrap (else it calls the builtin).");
-  m.def("set_functional_inner_native", &SetFunctionalInnerNative, py::arg("on"),
-        "Tests: False makes poisoning call torch._from_functional_tensor.");
   m.def(
       "step_stats",
       [](int64_t step) -> py::object {
@@ -247,6 +218,17 @@ PYBIND11_MODULE(_C, m) {
         "Hands the hot path the torch / torch_xla / poison callables it needs "
         "(called by _base/xla.py and _outcomes/poison.py at import).");
 
+  m.def(
+      "poison",
+      [](py::handle t, py::handle record, std::string note) {
+        Check(Poison(t.ptr(), RecordArg(record.ptr()), note) == 0);
+      },
+      py::arg("tensor"), py::arg("record"), py::arg("note") = "",
+      "Makes the tensor refuse every use (outcomes/poison.h); `note` says how a companion "
+      "lost its buffer.");
+  m.def(
+      "unpoison", [](py::handle t) { Check(Unpoison(t.ptr()) == 0); }, py::arg("tensor"),
+      "Gives a poisoned tensor back its class and dispatch keys.");
   // poison.py's and ownership.py's access to the TensorImpl (c10 headers).
   m.def(
       "tag_record",
@@ -280,16 +262,6 @@ PYBIND11_MODULE(_C, m) {
         if (uintptr_t impl = ImplOf(t)) UntagRecord(impl);
       },
       py::arg("tensor"), "Removes the tensor's donation record tag, if any.");
-  m.def(
-      "set_python_dispatch",
-      [](py::handle t, bool on) {
-        uintptr_t impl = ImplOf(t);
-        if (!impl) throw py::type_error("set_python_dispatch() needs a torch.Tensor");
-        if (!SetPythonDispatch(impl, on))
-          throw std::runtime_error("torch refused the dispatch key");
-      },
-      py::arg("tensor"), py::arg("on"),
-      "Turns the Python dispatch key of the tensor's TensorImpl on or off.");
   m.def(
       "storage_address",
       [](py::handle t) -> uintptr_t {

@@ -105,15 +105,15 @@ def pytest_pyfunc_call(pyfuncitem):
     return True
 
 
-# -- The two reader paths (_base/reads.py) -------------------------------------
+# -- Native reads (_base/reads.py) -------------------------------------
 
 
 @pytest.fixture
 def fast_path_open(dev):
-    """Marking's native fast path open, as after a process's first
-    donation: that one goes the Python way, decides the reads and gives the
-    process's one ``StaleReadWarning`` where it is owed (_base/xla_cpu.py),
-    so a test run alone sees what it sees after others."""
+    """Marking in one native call, as after a process's first donation:
+    that one decides the guards and gives the process's one
+    ``StaleReadWarning`` where it is owed (_base/xla_cpu.py), so a test run
+    alone sees what it sees after others."""
     import warnings
 
     import torch
@@ -124,60 +124,27 @@ def fast_path_open(dev):
 
     probe = torch.ones(2, device=dev) + 0
     torch_xla.sync()
-    if not C.try_mark(probe, 1):
+    if C.try_mark(probe):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             tdx.donate_buffer(probe)
     C.unmark(probe)
-    assert C.try_mark(probe, 1), "the fast path stays closed after a first donation"
+    assert C.try_mark(probe) == 0, "marking still refuses after a first donation"
     C.unmark(probe)
 
 
-@pytest.fixture(params=["native", "xlac"], ids=["native reads", "_XLAC reads"])
-def reads_path(request, dev, monkeypatch):
-    """Runs a test once with native reads and once with the ``_XLAC`` twin
-    (as ``TORCH_XLA_DONATE_NATIVE_READS=0`` or a failed self-test leaves
-    them), in Python (``reads``) and in C++ (the hot path tests
-    ``LazyReadsEnabled``) alike; the walk of live tensors is on with native
-    reads and off with ``_XLAC`` reads.  Yields the path's name."""
+@pytest.fixture
+def native_reads(dev):
+    """Native reads decided and the walk of live tensors in use, as after a
+    process's first donation (docs/design.md, "Reading torch_xla")."""
     import torch
     import torch_xla
 
-    from torch_xla_donate._base import arena, reads
-    from torch_xla_donate._base.native import C
+    from torch_xla_donate._base import guards
 
     sample = torch.ones(2, device=dev) + 0
     torch_xla.sync()
-    reads.tensor_id(sample)  # the first read decides the path
-    was = C.lazy_enabled()
-    if request.param == "xlac":
-        # The walk of live tensors (_base/arena.py) is off with native reads.
-        monkeypatch.setattr(reads, "_why_off", "forced by a test")
-        C.lazy_set_enabled(False)
-        assert not arena.in_use()
-    elif reads.path() != "native reads":
-        pytest.fail(f"native reads are off in this process: {reads.path()}")
-    elif not arena.decide_on([sample]):
-        pytest.fail(f"the live-tensor walk is off in this process: {arena.state()}")
-    try:
-        yield request.param
-    finally:
-        C.lazy_set_enabled(was)
-
-
-@pytest.fixture(params=["key", "python"], ids=["native poison key", "Python poison key"])
-def poison_path(request, dev):
-    """Runs a test once with consumed tensors refused by the plugin's own
-    dispatch key (csrc/outcomes/donated_key.h) and once by its twin, the
-    Python dispatch key (as ``TORCH_XLA_DONATE_NATIVE_POISON=0`` or a failed
-    self-test leaves it).  Yields the path's name."""
-    from torch_xla_donate._base.native import C
-    from torch_xla_donate._outcomes import poison_key
-
-    if not poison_key.decide_key(dev):
-        pytest.fail(f"the native poison key is off in this process: {poison_key.key_state()}")
-    C.set_donated_key_in_use(request.param == "key")
-    try:
-        yield request.param
-    finally:
-        C.set_donated_key_in_use(True)
+    guards.decide(sample)
+    for name in ("reads", "walk", "poisoning"):
+        if guards.state(name) not in ("native reads", "in use", "native dispatch key"):
+            pytest.fail(f"the {name} guard failed in this process: {guards.state(name)}")

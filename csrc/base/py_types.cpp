@@ -148,7 +148,6 @@ struct PyEntry {
   // the fast commit makes no Record object per donor.
   PyObject* record;
   uintptr_t weak;         // once weakened: the tensor, weakly (variable.h WeakTensorTake)
-  PyObject* inner;        // a weakened donor's poisoned inner tensor (EntryKeepInner)
   bool buffer_on_record;  // released or weakened: Record::held is this entry's
 };
 
@@ -193,8 +192,7 @@ bool KeepBufferOnRecord(PyObject* entry, HeldBuffer* buffer, uintptr_t weak) {
 void EntryDealloc(PyObject* self) {
   auto* e = reinterpret_cast<PyEntry*>(self);
   if (e->buffer_on_record) RecordOf(e).held.reset();  // an open verdict reads the tensor's own
-  if (e->weak != 0) DropWeak(e);                      // before the inner: see EntryLetGoOfDead
-  Py_CLEAR(e->inner);
+  if (e->weak != 0) DropWeak(e);
   Py_CLEAR(e->tensor);
   Py_CLEAR(e->record);
   e->native.~RecordPtr();
@@ -344,7 +342,6 @@ PyObject* NewEntry(PyObject* tensor, const RecordPtr& record) {
   new (&e->native) RecordPtr(record);
   e->record = nullptr;
   e->weak = 0;
-  e->inner = nullptr;
   e->buffer_on_record = false;
   return o;
 }
@@ -367,26 +364,10 @@ bool WeakenEntryTensor(PyObject* entry, HeldBuffer* buffer) {
   return false;
 }
 
-bool EntryKeepInner(PyObject* entry, PyObject* inner) {
-  if (Py_TYPE(entry) != g_entry_type) return false;
-  auto* e = reinterpret_cast<PyEntry*>(entry);
-  if (e->weak == 0 || e->inner != nullptr) return false;
-  e->inner = inner;
-  return true;
-}
-
 void EntryLetGoOfDead(PyObject* entry) {
   if (Py_TYPE(entry) != g_entry_type) return;
   auto* e = reinterpret_cast<PyEntry*>(entry);
-  if (e->weak != 0) {
-    if (WeakTensorAlive(e->weak)) return;
-    // The wrapper's TensorImpl first: it holds the inner one until its
-    // memory goes, and the inner's Python object must die with nothing else
-    // holding it (else torch keeps it for that holder, and destroys it later
-    // inside that holder's deallocation).
-    DropWeak(e);
-  }
-  Py_CLEAR(e->inner);  // also once WeakenedTensorDying let go of the wrapper
+  if (e->weak != 0 && !WeakTensorAlive(e->weak)) DropWeak(e);
 }
 
 void WeakenedTensorDying(uintptr_t impl) {

@@ -60,27 +60,15 @@ bool ReleaseEntryTensor(PyObject* entry, HeldBuffer* buffer);
 // it lives, then None; native code reading the entry in place (EntryParts)
 // sees None.  Also false if the tensor cannot be kept weakly.
 bool WeakenEntryTensor(PyObject* entry, HeldBuffer* buffer);
-// Keeps the inner tensor `inner` (a new reference, which it takes) that
-// poisoning a weakened Entry's functional tensor made (outcomes/poison.h
-// Poison), so that the inner's Python object dies with the GIL held, when
-// the entry lets go of it, rather than inside the wrapper's deallocation,
-// where torch has released the GIL and must take it back for it (about
-// 0.5k instructions per held donor and step, in the async loop's count).
-// False, nothing taken, for no Entry, one not weakened, or one that keeps
-// an inner already.
-bool EntryKeepInner(PyObject* entry, PyObject* inner);
-// Lets go of what an Entry keeps of its weakened tensor once that died:
-// the weak reference (which keeps the TensorImpl's memory, and what it
-// holds), where the tensor's finalizer did not already
-// (WeakenedTensorDying), and the inner (a barrier's release_unheld, before
-// its walks: the XLATensors would otherwise live through the barrier, more
-// tensors for torch_xla to walk).  Nothing for anything else.
+// Lets go of what an Entry keeps of its weakened tensor once that died: the
+// weak reference (which keeps the TensorImpl's memory, and what it holds),
+// where the tensor's finalizer did not already (WeakenedTensorDying).
+// Nothing for anything else.
 void EntryLetGoOfDead(PyObject* entry);
 // A tensor's Python object is about to die, the last owner of the
 // TensorImpl at `impl` (outcomes/poison.h WatchDeaths): the entry that
 // keeps it weakly, if any, lets go of its weak reference, so that the
-// TensorImpl dies with the object.  The inner it may keep goes at the
-// next barrier (EntryLetGoOfDead).  With the GIL.
+// TensorImpl dies with the object.  With the GIL.
 void WeakenedTensorDying(uintptr_t impl);
 // The buffer a released or weakened Entry keeps, or nullptr (a tuple, an
 // entry holding its tensor, one whose verdict is in).

@@ -32,30 +32,16 @@ namespace torch_xla_donate {
 
 // The callables and types bound at import; see Bind() in module.cpp.
 struct Hooks {
-  PyObject* tensor_type = nullptr;           // torch.Tensor
-  PyObject* set_donor = nullptr;             // (tensor, bool) -> bool
-  PyObject* buffer_deleted = nullptr;        // tensor -> bool
-  PyObject* need_materialization = nullptr;  // [tensor] -> [bool]
-  PyObject* storage_use_count = nullptr;     // storage._cdata -> int
-  PyObject* dtype_info = nullptr;            // dtype -> (xla name, itemsize)
-  PyObject* tensor_id = nullptr;             // tensor -> torch_xla's tensor id
-  PyObject* fast_types = nullptr;            // tuple: exact types of the fast path
-  PyObject* donated_type = nullptr;          // poison._DonatedTensor (the mixin)
-  PyObject* poison_class_for = nullptr;      // type -> its poisoned twin
-  PyObject* dispatch_class_for = nullptr;    // type -> its twin refusing operators
-  // torch._from_functional_tensor (a builtin): a functional wrapper -> the
-  // tensor torch_xla sees.  Called from C++ only for functional tensors,
-  // so no Python code runs while a commit poisons its donors.
-  PyObject* from_functional = nullptr;
-  PyObject* donate_buffer_checked = nullptr;  // tensor -> None: donate_buffer's Python half
+  PyObject* tensor_type = nullptr;        // torch.Tensor
+  PyObject* set_donor = nullptr;          // (tensor, bool) -> bool
+  PyObject* storage_use_count = nullptr;  // storage._cdata -> int
+  PyObject* donated_type = nullptr;       // poison._DonatedTensor (the mixin)
+  // poison.py's on_donated_dispatch: what the donated key's fallback asks
+  // when an operator meets a donated tensor (donated_key.h).
+  PyObject* on_donated_dispatch = nullptr;
 
-  bool torch_bound() const {
-    return tensor_type && set_donor && buffer_deleted && need_materialization &&
-           storage_use_count && dtype_info && tensor_id;
-  }
-  bool poison_bound() const {
-    return donated_type && poison_class_for && dispatch_class_for && from_functional;
-  }
+  bool torch_bound() const { return tensor_type && set_donor && storage_use_count; }
+  bool poison_bound() const { return donated_type && on_donated_dispatch; }
 };
 
 extern Hooks g_hooks;
@@ -67,8 +53,6 @@ void RequireBound();
 
 bool IsTensor(PyObject* t);
 bool IsDonatedType(PyObject* t);
-// Exactly one of the fast path's types (a plain Tensor or Parameter).
-bool IsPlainTensor(PyObject* t);
 
 // The address of a torch tensor's c10::TensorImpl (`t._cdata`, read in
 // place: variable.h); 0 when `t` is no torch tensor.  Never fails.
@@ -84,8 +68,8 @@ long StorageUseCount(PyObject* t, int read, const TensorFacts& facts);
 int HeldByAutograd(PyObject* t, const TensorFacts& facts);
 
 // torch_xla's facts of `t` read in place, when native reads are on and the
-// read does not decline (lazy_reads.h).  False: ask the bound callables.
-// Never fails.
+// read does not decline (lazy_reads.h).  False: `t` is no plain device data
+// (or donation is off).  Never fails.
 bool ReadLazy(PyObject* t, LazyFacts* facts);
 
 // Before a pass over `n` tensors no code has touched for a while: starts
@@ -94,28 +78,20 @@ bool ReadLazy(PyObject* t, LazyFacts* facts);
 // Items that are no tensors are skipped; changes nothing.
 void PrefetchTensors(PyObject* const* items, Py_ssize_t n);
 
-// torch_xla, read in place (ReadLazy) or through the bound callables.
-// 1 / 0, -1 on error.
-int IsView(PyObject* t);  // torch's `t._is_view()`, not torch_xla's
+// torch_xla, read in place (ReadLazy).  1 / 0, -1 on error.
 // `_check_tensor_need_materialization`: no handle, and an IR value that is
-// no device data.  False for a consumed tensor and for a CPU tensor.
+// no device data; also true for a tensor the reader declines (no plain
+// device data).  False for a consumed tensor.
 int HasPendingIr(PyObject* t);
 // `_is_placecholder`: a handle without a value.  True for a consumed buffer
 // and for an output still being computed; false for a tensor without a
-// handle (pending IR, not yet uploaded).  Raises for a CPU tensor.
+// handle (pending IR, not yet uploaded).  Raises for a tensor the reader
+// declines.
 int BufferDeleted(PyObject* t);
 int SetDonor(PyObject* t, bool donate);
-// torch_xla's id of the XLA tensor behind `t` (ids only grow); -1 on error.
-int64_t TensorId(PyObject* t);
-// HasPendingIr of each tensor of `list` (a Python list), into `out`: read
-// in place where possible, the rest in one call of the bound callable.
-// False with a Python error on error.
+// HasPendingIr of each tensor of `list` (a Python list), into `out`.
+// False with a TypeError for an item that is no XLA tensor.
 bool PendingFlags(PyObject* list, std::vector<char>* out);
-
-// Shape, XLA dtype name and byte size of `t` (whose `facts` were read with
-// sizes); the shape is copied from `facts.sizes`.  1 ok, 0 unusual
-// (symbolic sizes: the Python path decides), -1 error.
-int Describe(PyObject* t, TensorFacts& facts, Dims* shape, DtypeName* dtype, int64_t* nbytes);
 
 // True when the one reference its entry holds is the only way to reach `t`
 // (no other Python reference, no weak reference, no C++ owner of its

@@ -46,6 +46,10 @@ bool ReadTensorFacts(uintptr_t address, TensorFacts* out, bool with_sizes) {
   }
 }
 
+bool HasPythonDispatch(uintptr_t address) {
+  return reinterpret_cast<c10::TensorImpl*>(address)->key_set().has(c10::DispatchKey::Python);
+}
+
 bool IsFunctionalImpl(uintptr_t address) {
   return reinterpret_cast<c10::TensorImpl*>(address)->key_set().has(
       c10::DispatchKey::Functionalize);
@@ -70,16 +74,6 @@ void PrefetchTensorFacts(uintptr_t address) {
 bool PyObjectOwnedByTensor(uintptr_t address) {
   auto* impl = reinterpret_cast<c10::TensorImpl*>(address);
   return impl->pyobj_slot()->owns_pyobj();
-}
-
-bool SetPythonDispatch(uintptr_t address, bool on) {
-  auto* impl = reinterpret_cast<c10::TensorImpl*>(address);
-  try {
-    impl->set_python_dispatch(on);
-    return true;
-  } catch (const std::exception&) {
-    return false;
-  }
 }
 
 }  // namespace torch_xla_donate

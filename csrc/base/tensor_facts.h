@@ -45,6 +45,10 @@ struct TensorFacts {
 // `with_sizes`, `sizes` stays empty: reading them asks the XLA tensor.
 bool ReadTensorFacts(uintptr_t impl, TensorFacts* out, bool with_sizes = true);
 
+// Whether the tensor at `impl` has c10's Python dispatch key: a subclass
+// with its own __torch_dispatch__ (a wrapper), a FakeTensor.
+bool HasPythonDispatch(uintptr_t impl);
+
 // Whether the tensor at `impl` is a functional wrapper (its key set, read
 // in place): ReadTensorFacts' is_functional alone.
 bool IsFunctionalImpl(uintptr_t impl);
@@ -65,11 +69,5 @@ void PrefetchTensorFacts(uintptr_t impl);
 // garbage collector hands it out) must not keep it: it would outlive its
 // TensorImpl.
 bool PyObjectOwnedByTensor(uintptr_t impl);
-
-// Turns c10's Python dispatch key of the TensorImpl at `impl` on or off:
-// with it, every operator that reaches this TensorImpl calls the
-// `__torch_dispatch__` of its Python object's class (see poison.py).
-// False if torch raised.
-bool SetPythonDispatch(uintptr_t impl, bool on);
 
 }  // namespace torch_xla_donate

@@ -28,8 +28,6 @@ using WrapFn = PyObject* (*)(const at::TensorBase&);
 static_assert(std::is_same_v<WrapFn, decltype(&THPVariable_Wrap)>, "THPVariable_Wrap changed");
 constexpr const char* kWrapSymbol = "_Z16THPVariable_WrapRKN2at10TensorBaseE";
 
-std::atomic<bool> g_native_inner{true};  // tests turn it off: the builtin's path
-
 // torch's THPVariable_Wrap, or nullptr when it cannot be found.
 WrapFn TorchWrap() {
   static const WrapFn wrap = []() -> WrapFn {
@@ -42,22 +40,16 @@ WrapFn TorchWrap() {
   return wrap;
 }
 
-// The same, unless a test turned FunctionalInnerObject's native path off.
-WrapFn Wrap() { return g_native_inner.load(std::memory_order_relaxed) ? TorchWrap() : nullptr; }
-
 c10::TensorImpl* ImplAt(uintptr_t impl) { return reinterpret_cast<c10::TensorImpl*>(impl); }
 
 }  // namespace
 
-PyObject* FunctionalInnerObject(PyObject* t) {
-  const WrapFn wrap = Wrap();
-  if (wrap == nullptr) return nullptr;
-  const at::Tensor& outer = THPVariable_Unpack(t);
-  if (!at::functionalization::impl::isFunctionalTensor(outer)) return nullptr;
-  return wrap(at::functionalization::impl::unsafeGetFunctionalWrapper(outer)->value());
-}
+bool IsView(PyObject* t) { return THPVariable_Unpack(t).is_view(); }
 
-bool FunctionalInnerIsNative() { return Wrap() != nullptr; }
+bool AccumulatesGrad(PyObject* t) {
+  const at::Tensor& v = THPVariable_Unpack(t);
+  return v.is_leaf() && v.requires_grad();
+}
 
 uintptr_t FunctionalInnerImpl(PyObject* t) {
   const at::Tensor& outer = THPVariable_Unpack(t);
@@ -107,7 +99,5 @@ PyObject* WeakTensorObject(uintptr_t impl) {
   // hands it back to Python if C++ owned it meanwhile.
   return TorchWrap()(tensor);
 }
-
-void SetFunctionalInnerNative(bool on) { g_native_inner.store(on, std::memory_order_relaxed); }
 
 }  // namespace torch_xla_donate

@@ -21,13 +21,11 @@ namespace torch_xla_donate {
 // be an instance of torch.Tensor (IsTensor): nothing is checked.
 uintptr_t VariableImplAddress(PyObject* t);
 
-// The Python object of the tensor the functional wrapper `t` wraps (a new
-// reference), as `torch._from_functional_tensor(t)` gives it, without that
-// builtin's argument parser (1.6k instructions a call, once per poisoned
-// donor and step): torch's own THPVariable_Wrap, found in the loaded
-// libtorch_python.  nullptr, with no error set, when `t` is no functional
-// tensor or that function cannot be found: call the builtin then.
-PyObject* FunctionalInnerObject(PyObject* t);
+// torch's `t._is_view()` and `t.is_leaf and t.requires_grad` (a leaf
+// autograd accumulates gradients into), read natively.  `t` must be an
+// instance of torch.Tensor.
+bool IsView(PyObject* t);
+bool AccumulatesGrad(PyObject* t);
 
 // The address of the TensorImpl the functional wrapper `t` wraps (the one
 // torch_xla computes with), or 0 when `t` is no functional tensor.
@@ -60,11 +58,5 @@ void WeakTensorDrop(uintptr_t impl);
 bool WeakTensorAlive(uintptr_t impl);
 // That Python object (a new reference), or nullptr, no error, once it died.
 PyObject* WeakTensorObject(uintptr_t impl);
-
-// Whether FunctionalInnerObject found torch's THPVariable_Wrap (and is on).
-bool FunctionalInnerIsNative();
-// Off: FunctionalInnerObject answers nullptr, so poisoning calls the builtin
-// (tests run both paths).
-void SetFunctionalInnerNative(bool on);
 
 }  // namespace torch_xla_donate

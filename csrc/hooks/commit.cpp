@@ -180,9 +180,7 @@ bool WeakenHeld(PyObject* entry, PyObject* t) {
 // nothing but its entry refers to (the loop rebound its name), so that
 // torch_xla's barrier does not walk, and its graph does not keep, tensors
 // nobody can read; it takes the armed buffers from the pending IR that
-// reads them.  The poisoned inner tensors that entries of earlier steps
-// keep (EntryKeepInner) go too once their wrapper died, for the same
-// reason.  Returns how many were released.
+// reads them.  Returns how many were released.
 size_t ReleaseUnheld(py::list donors) {
   RequireBound();
   size_t released = 0;
@@ -210,10 +208,7 @@ size_t ReleaseUnheld(py::list donors) {
 // barrier.  Weak references do not keep it: it dies as it is let go.
 // Without `release`, or when its buffer cannot be read natively, the entry
 // keeps it.  A donor the user still holds is poisoned and, with `release`,
-// kept only weakly from then on (WeakenHeld); its entry keeps the poisoned
-// inner tensor instead, until the wrapper died (EntryKeepInner: the inner
-// then dies with the GIL held, at the next barrier, not inside the
-// wrapper's deallocation).
+// kept only weakly from then on (WeakenHeld).
 //
 // The donor flag: the graph's donor set is fixed, so it is cleared now on a
 // donor the entry keeps, and left armed on a buffer the entry's record keeps
@@ -250,12 +245,9 @@ py::list DisarmAndPoison(py::list donors, bool release) {
     py::object keep = py::reinterpret_borrow<py::object>(t);  // the entry's goes if weakened
     const bool weakened = release && WeakenHeld(entry, t);
     if (!weakened && SetDonor(t, false) < 0) PyErr_Clear();
-    PyObject* inner = nullptr;
-    if (Poison(t, *rec, weakened ? &inner : nullptr) != 0) {
+    if (Poison(t, *rec) != 0) {
       py::error_already_set error;  // takes the Python error
       failed.append(py::make_tuple(py::handle(entry), py::str(error.what())));
-    } else if (inner != nullptr && !EntryKeepInner(entry, inner)) {
-      Py_DECREF(inner);
     }
   }
   return failed;

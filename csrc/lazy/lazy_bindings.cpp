@@ -1,6 +1,6 @@
 // See lazy_bindings.h.  Every per-tensor function answers None when native
-// reads are off or the read declines (lazy_reads.h): the Python twin
-// (_base/reads.py) then asks `_XLAC`.  The one-tensor reads are bound with
+// reads are off or the read declines (lazy_reads.h): the tensor is no plain
+// device data.  The one-tensor reads are bound with
 // the CPython API (METH_O), not pybind11, whose dispatch alone would cost
 // what the read saves.
 #include "lazy/lazy_bindings.h"
@@ -150,17 +150,17 @@ bool QueryOwner(const LazyFacts& f, int64_t* owner) {
 PyMethodDef kMethods[] = {
     {"lazy_tensor_id", TensorId, METH_O,
      "lazy_tensor_id(tensor) -> int | None\n\ntorch_xla's id of the XLA tensor behind `tensor` "
-     "(as _xla_get_tensor_id); None: ask _XLAC."},
+     "(as _xla_get_tensor_id); None: declined."},
     {"lazy_is_pending", IsPending, METH_O,
      "lazy_is_pending(tensor) -> bool | None\n\nDoes it need a computation (as "
-     "_check_tensor_need_materialization)?  None: ask _XLAC."},
+     "_check_tensor_need_materialization)?  None: declined."},
     {"lazy_is_consumed", IsConsumed, METH_O,
      "lazy_is_consumed(tensor) -> bool | None\n\nA handle without a value (as "
-     "_is_placecholder)?  None: ask _XLAC."},
+     "_is_placecholder)?  None: declined."},
     {"lazy_buffer_key", BufferKey, METH_O,
      "lazy_buffer_key(tensor) -> int | None\n\nThe address of the live buffer's BackendData "
-     "(equal: one buffer; 0: none live: pending, consumed or still computing).  None: ask "
-     "_XLAC."},
+     "(equal: one buffer; 0: none live: pending, consumed or still computing).  None: "
+     "declined."},
     {nullptr, nullptr, 0, nullptr},
 };
 
@@ -224,21 +224,6 @@ void RegisterLazyReads(PyObject* module) {
         return LearnXlaTensorType(impl, &why) ? std::string() : why;
       },
       py::arg("tensor"), "Learns XLATensorImpl's type from a known XLA tensor: '' or why not.");
-  m.def(
-      "hot_path_reads",
-      [](py::handle t) {
-        const int64_t id = TensorId(t.ptr());
-        Check(!(id == -1 && PyErr_Occurred()));
-        const int pending = HasPendingIr(t.ptr());
-        Check(pending >= 0);
-        const int deleted = BufferDeleted(t.ptr());
-        Check(deleted >= 0);
-        return py::make_tuple(id, pending == 1, deleted == 1);
-      },
-      py::arg("tensor"),
-      "(tensor id, pending, consumed): what the hot path (csrc/base/tensor_access.h TensorId, "
-      "HasPendingIr, BufferDeleted) answers, read in place while native reads are on, else "
-      "through the bound _XLAC callables (tests keep the two in step).");
   m.def("lazy_set_enabled", &SetLazyReadsEnabled, py::arg("on"));
   m.def("lazy_enabled", &LazyReadsEnabled);
   m.def(

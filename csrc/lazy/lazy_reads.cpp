@@ -48,6 +48,7 @@ constexpr size_t kXlaTensorOffset = offsetof(FirstMemberProbe, first);
 #pragma GCC diagnostic pop
 
 constexpr char kXlaTensorImplName[] = "torch_xla::XLATensorImpl";
+constexpr char kXlaTensorName[] = "torch_xla::XLATensor";
 
 std::atomic<const void*> g_xla_impl_vtable{nullptr};
 // DeviceDataInfo's vtable as last seen, to skip the dynamic_cast.
@@ -166,6 +167,16 @@ bool LearnXlaTensorType(uintptr_t address, std::string* why) {
     const std::string name = Demangled(typeid(*impl).name());
     if (name != kXlaTensorImplName) {
       *why = "the sample tensor is a " + name + ", not a " + kXlaTensorImplName;
+      return false;
+    }
+    // The layout fact: its first member is the XLATensorPtr, whose object
+    // must have that dynamic type.
+    auto* lazy = *reinterpret_cast<LazyTensor* const*>(reinterpret_cast<const char*>(impl) +
+                                                       kXlaTensorOffset);
+    const std::string member = lazy ? Demangled(typeid(*lazy).name()) : std::string("null");
+    if (member != kXlaTensorName) {
+      *why = std::string(kXlaTensorImplName) + "'s first member is a " + member + ", not a " +
+             kXlaTensorName;
       return false;
     }
     g_xla_impl_vtable.store(VtableOf(impl), std::memory_order_release);

@@ -154,7 +154,8 @@ bool DonorKeyOfFacts(const LazyFacts& facts, DonorKey* key) {
   return true;
 }
 
-bool SameStepCopies(const std::vector<DonorKey>& donors, std::vector<std::vector<int64_t>>* out) {
+bool SameStepCopies(const std::vector<DonorKey>& donors, std::vector<std::vector<int64_t>>* out,
+                    bool with_handles) {
   out->assign(donors.size(), {});
   using Key = std::pair<uintptr_t, size_t>;  // (node or buffer, donor index)
   // The thread's scratch (base/scratch.h): no block of malloc's per step.
@@ -198,8 +199,12 @@ bool SameStepCopies(const std::vector<DonorKey>& donors, std::vector<std::vector
   return ForEachLiveTensor([&](const LiveTensor& t) {
     if (t.handle != 0) {
       // Its own buffer: kept at the barrier, unless it is a donor's that
-      // has none (the donor is itself a copy of it).
-      if (!borrowed.empty()) record(borrowed, t.handle, t.tensor_id);
+      // has none (the donor is itself a copy of it), or, `with_handles`,
+      // any donor's.
+      if (with_handles)
+        record(buffers, t.handle, t.tensor_id);
+      else if (!borrowed.empty())
+        record(borrowed, t.handle, t.tensor_id);
       return;
     }
     if (t.ir_node == 0 || !t.ir_is_device_data) return;  // pending: computed anew
@@ -255,7 +260,7 @@ void RegisterLiveTensors(PyObject* module) {
       "How many XLA tensors are live (all devices); None when the walk is off.");
   m.def(
       "same_step_copies",
-      [](py::sequence donors) -> py::object {
+      [](py::sequence donors, bool with_handles) -> py::object {
         const size_t n = py::len(donors);
         std::vector<DonorKey> keys(n);
         std::vector<bool> read(n, false);
@@ -267,7 +272,7 @@ void RegisterLiveTensors(PyObject* module) {
         bool on;
         {
           py::gil_scoped_release no_gil;
-          on = SameStepCopies(keys, &found);
+          on = SameStepCopies(keys, &found, with_handles);
         }
         if (!on) return py::none();
         // Sparse: nothing per donor that has no copy (every donor, mostly).
@@ -283,7 +288,7 @@ void RegisterLiveTensors(PyObject* module) {
         }
         return std::move(out);
       },
-      py::arg("donors"),
+      py::arg("donors"), py::arg("with_handles") = false,
       "{index: ids} for the donors with copies: the torch_xla ids of the live tensors other "
       "than the donors whose value the barrier takes from its buffer (copies made since the "
       "last barrier); {index: None} for a donor that cannot be read (check it another way); "

@@ -90,8 +90,10 @@ bool DonorKeyOfFacts(const LazyFacts& facts, DonorKey* key);
 // value the barrier will take from the donor's buffer: a tensor without a
 // buffer of its own whose IR value is the donor's device_data node or any
 // device_data node of its buffer (a copy made since the last barrier), or
-// one holding the buffer itself.  False when the walk is off.
-bool SameStepCopies(const std::vector<DonorKey>& donors, std::vector<std::vector<int64_t>>* out);
+// one holding the buffer itself (every donor's `with_handles`, else only a
+// donor's without a handle of its own).  False when the walk is off.
+bool SameStepCopies(const std::vector<DonorKey>& donors, std::vector<std::vector<int64_t>>* out,
+                    bool with_handles = false);
 
 // Registers live_* and same_step_copies on `module` (torch_xla_donate._C).
 void RegisterLiveTensors(PyObject* module);

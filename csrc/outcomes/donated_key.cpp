@@ -38,8 +38,7 @@ struct KeySetAccess : c10::TensorImpl {
 c10::TensorImpl* ImplAt(uintptr_t impl) { return reinterpret_cast<c10::TensorImpl*>(impl); }
 
 std::atomic<bool> g_in_use{false};
-PyObject* g_on_dispatch = nullptr;  // poison.py's on_donated_dispatch
-const Record* g_probe = nullptr;    // SelfTestDonatedKey's record, while it runs
+const Record* g_probe = nullptr;  // SelfTestDonatedKey's record, while it runs
 
 struct ProbeRefused {};  // the self-test's operator reached the fallback
 
@@ -91,9 +90,9 @@ void AskPython(const std::vector<at::Tensor>& donated, bool refill_first) {
     if (ok) PyList_SET_ITEM(tensors, static_cast<Py_ssize_t>(i), obj);
   }
   PyObject* result = nullptr;
-  if (ok && g_on_dispatch != nullptr) {
-    result = PyObject_CallFunctionObjArgs(g_on_dispatch, tensors, refill_first ? Py_True : Py_False,
-                                          nullptr);
+  if (ok && g_hooks.on_donated_dispatch != nullptr) {
+    result = PyObject_CallFunctionObjArgs(g_hooks.on_donated_dispatch, tensors,
+                                          refill_first ? Py_True : Py_False, nullptr);
   } else if (ok) {
     PyErr_SetString(PyExc_RuntimeError,
                     "torch_xla_donate: a donated tensor was used before "
@@ -163,8 +162,6 @@ void SetDonatedKey(uintptr_t impl, bool on) {
 bool HasDonatedKey(uintptr_t impl) { return ImplAt(impl)->key_set().has(kDonatedKey); }
 
 std::string SelfTestDonatedKey(PyObject* probe) {
-  const char* env = std::getenv("TORCH_XLA_DONATE_NATIVE_POISON");
-  if (env != nullptr && std::strcmp(env, "0") == 0) return "TORCH_XLA_DONATE_NATIVE_POISON=0";
   if (!IsTensor(probe)) return "the probe is no tensor";
   std::string why = RegisterFallback();
   if (!why.empty()) return why;
@@ -204,23 +201,10 @@ std::string SelfTestDonatedKey(PyObject* probe) {
 void RegisterDonatedKey(PyObject* module) {
   py::module_ m = py::reinterpret_borrow<py::module_>(module);
   m.def(
-      "donated_key_self_test",
-      [](py::handle probe, py::handle on_dispatch) {
-        Py_INCREF(on_dispatch.ptr());
-        Py_XSETREF(g_on_dispatch, on_dispatch.ptr());
-        return SelfTestDonatedKey(probe.ptr());
-      },
-      py::arg("probe"), py::arg("on_dispatch"),
-      "Binds poison.py's on_donated_dispatch and tries the donated key on `probe` (an XLA "
-      "tensor): '' and poisoning uses it, or why not.");
+      "donated_key_self_test", [](py::handle probe) { return SelfTestDonatedKey(probe.ptr()); },
+      py::arg("probe"),
+      "Tries the donated key on `probe` (a CPU tensor): '' and poisoning uses it, or why not.");
   m.def("donated_key_in_use", &DonatedKeyInUse);
-  m.def(
-      "set_donated_key_in_use",
-      [](bool on) {
-        if (on && !RegisterFallback().empty()) throw py::value_error("the key has no fallback");
-        g_in_use.store(on, std::memory_order_relaxed);
-      },
-      py::arg("on"), "Tests: False makes poisoning use the Python dispatch key.");
   m.def(
       "set_donated_key",
       [](py::handle t, bool on) {

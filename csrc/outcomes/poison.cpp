@@ -4,40 +4,24 @@
 #include <pybind11/pybind11.h>
 
 #include <unordered_map>
+#include <unordered_set>
 
 #include "base/py_types.h"
 #include "base/tensor_access.h"
 #include "base/tensor_facts.h"
 #include "base/variable.h"
+#include "marking/marking.h"
 #include "outcomes/donated_key.h"
 #include "outcomes/record_tag.h"
 
 namespace torch_xla_donate {
 namespace {
 
-// Each class and its poisoned twins (poison.py's _poison_class_for): the one
-// the user's tensor takes, and the one refusing operators, which the tensor
-// torch_xla computes with takes.  `checked`: a swap from the class to the
-// twin went through Python's own `__class__` assignment once, which checks
-// that their layouts agree; the twin is the class's subclass with nothing
-// added, so later swaps need only what that assignment does after its check.
-struct Twin {
-  PyObject* cls;
-  bool checked;
-};
-std::unordered_map<PyTypeObject*, Twin> g_poison_classes[2];
-
-// The poisoned twin of `type` (cached).  Borrowed, or nullptr with an error.
-Twin* PoisonClassFor(PyTypeObject* type, bool refuses_operators) {
-  auto& cache = g_poison_classes[refuses_operators ? 1 : 0];
-  auto it = cache.find(type);
-  if (it != cache.end()) return &it->second;
-  PyObject* hook = refuses_operators ? g_hooks.dispatch_class_for : g_hooks.poison_class_for;
-  PyObject* twin = PyObject_CallOneArg(hook, reinterpret_cast<PyObject*>(type));
-  if (!twin) return nullptr;
-  Py_INCREF(type);  // keep the key alive: its address must not be reused
-  return &cache.emplace(type, Twin{twin, false}).first->second;
-}
+// Each twin class (marking.h TwinClassOf) whose swap from its class went
+// through Python's own `__class__` assignment once, which checks that their
+// layouts agree; the twin is the class's subclass with nothing added, so
+// later swaps need only what that assignment does after its check.
+std::unordered_set<PyObject*> g_checked;
 
 PyObject* ClassAttr() {
   static PyObject* name = PyUnicode_InternFromString("__class__");
@@ -51,16 +35,16 @@ PyObject* ClassAttr() {
 // of their own (a managed dict's keys belong to the class:
 // _PyObject_GetDictPtr does it, as object_set_class does), the type
 // swapped, heap types' references moved.
-int SwapClass(PyObject* t, Twin* twin) {
+int SwapClass(PyObject* t, PyObject* twin) {
   PyTypeObject* from = Py_TYPE(t);
-  auto* to = reinterpret_cast<PyTypeObject*>(twin->cls);
+  auto* to = reinterpret_cast<PyTypeObject*>(twin);
   const bool managed = (from->tp_flags | to->tp_flags) & Py_TPFLAGS_MANAGED_DICT;
-  if (!twin->checked || (managed && _PyObject_GetDictPtr(t) == nullptr)) {
-    if (PyObject_GenericSetAttr(t, ClassAttr(), twin->cls) < 0) return -1;
-    twin->checked = true;
+  if (!g_checked.count(twin) || (managed && _PyObject_GetDictPtr(t) == nullptr)) {
+    if (PyObject_GenericSetAttr(t, ClassAttr(), twin) < 0) return -1;
+    g_checked.insert(twin);
     return 0;
   }
-  if (PySys_Audit("object.__setattr__", "OsO", t, "__class__", twin->cls) < 0) return -1;
+  if (PySys_Audit("object.__setattr__", "OsO", t, "__class__", twin) < 0) return -1;
   if (to->tp_flags & Py_TPFLAGS_HEAPTYPE) Py_INCREF(to);
   Py_SET_TYPE(t, to);
   if (from->tp_flags & Py_TPFLAGS_HEAPTYPE) Py_DECREF(from);
@@ -68,10 +52,14 @@ int SwapClass(PyObject* t, Twin* twin) {
 }
 
 // Gives `t` its poisoned twin class (none if it has one).  0 ok, -1 error.
-int TakeTwinClass(PyObject* t, bool refuses_operators) {
+int TakeTwinClass(PyObject* t) {
   if (IsDonatedType(t)) return 0;
-  Twin* twin = PoisonClassFor(Py_TYPE(t), refuses_operators);
-  return twin ? SwapClass(t, twin) : -1;
+  PyObject* twin = TwinClassOf(Py_TYPE(t));
+  if (twin == nullptr) {
+    PyErr_Format(PyExc_TypeError, "no poisoned twin of %s was registered", Py_TYPE(t)->tp_name);
+    return -1;
+  }
+  return SwapClass(t, twin);
 }
 
 // A poisoned tensor's Python object is about to die (its finalizer: torch's
@@ -118,16 +106,6 @@ bool WatchDeaths(PyObject* cls) {
   return true;
 }
 
-void ForgetPoisonClasses() {
-  for (auto& cache : g_poison_classes) {
-    for (auto& kv : cache) {
-      Py_DECREF(kv.second.cls);
-      Py_DECREF(reinterpret_cast<PyObject*>(kv.first));
-    }
-    cache.clear();
-  }
-}
-
 int TagTensor(PyObject* t, const RecordPtr& record, const std::string& note) {
   const uintptr_t impl = ImplAddress(t);
   if (impl == 0) {
@@ -141,57 +119,57 @@ int TagTensor(PyObject* t, const RecordPtr& record, const std::string& note) {
   return 0;
 }
 
-int Poison(PyObject* t, const RecordPtr& r, PyObject** keep_inner) {
-  // The tensor torch_xla computes with: for a functional tensor (torch_xla's
-  // default) the one it wraps, which every operator on `t` reaches after
-  // functionalization unwrapped it; else `t` itself.
-  // That one first: once it refuses operators the value is safe, whatever
-  // happens to the wrapper the user holds.
-  // (poison.py's `inner`, without its Python frame: the Functionalize key
-  // read in place, torch's builtin called only for a functional tensor.)
+namespace {
+// The TensorImpl torch_xla computes with behind `t` (the one a functional
+// tensor wraps), or 0 with a Python error.
+uintptr_t CoreOf(PyObject* t) {
   const uintptr_t impl = ImplAddress(t);
   if (impl == 0) {
     PyErr_SetString(PyExc_TypeError, "expected a torch.Tensor");
-    return -1;
-  }
-  const bool functional = IsFunctionalImpl(impl);
-  if (DonatedKeyInUse()) {
-    // The donated key on the TensorImpl torch_xla computes with
-    // (donated_key.h): no Python object for it, nothing for an entry to keep.
-    const uintptr_t core = functional ? FunctionalInnerImpl(t) : impl;
-    if (core == 0 || !TagRecord(core, r)) {
-      PyErr_SetString(PyExc_TypeError, "cannot tag this tensor with its donation record");
-      return -1;
-    }
-    SetDonatedKey(core, true);
-    return TakeTwinClass(t, /*refuses_operators=*/false);
-  }
-  PyObject* inner = t;
-  if (functional) {
-    inner = FunctionalInnerObject(t);  // torch's own wrap, without the builtin's parser
-    if (!inner && PyErr_Occurred()) return -1;
-    if (!inner) inner = PyObject_CallOneArg(g_hooks.from_functional, t);
-    if (!inner) return -1;
-  } else {
-    Py_INCREF(inner);
-  }
-  int rc = TagTensor(inner, r);
-  if (rc == 0) rc = TakeTwinClass(inner, /*refuses_operators=*/true);
-  const uintptr_t core = rc == 0 ? ImplAddress(inner) : 0;
-  if (rc == 0 && core == 0) rc = -1;
-  if (rc == 0 && !SetPythonDispatch(core, true)) {
-    PyErr_SetString(PyExc_RuntimeError, "cannot set the Python dispatch key of a donated tensor");
-    rc = -1;
-  }
-  // The wrapper takes its twin class only: the record rides on the tensor
-  // torch_xla computes with, where poison.py's donation_record reads it.
-  if (rc == 0 && inner != t) rc = TakeTwinClass(t, /*refuses_operators=*/false);
-  if (rc == 0 && inner != t && keep_inner != nullptr) {
-    *keep_inner = inner;  // the caller's reference now
     return 0;
   }
-  Py_DECREF(inner);
-  return rc;
+  const uintptr_t core = IsFunctionalImpl(impl) ? FunctionalInnerImpl(t) : impl;
+  if (core == 0) PyErr_SetString(PyExc_TypeError, "cannot read this tensor's TensorImpl");
+  return core;
+}
+}  // namespace
+
+int Poison(PyObject* t, const RecordPtr& r, const std::string& note) {
+  // The tensor torch_xla computes with: for a functional tensor (torch_xla's
+  // default) the one it wraps, which every operator on `t` reaches after
+  // functionalization unwrapped it; else `t` itself.  That one first: once
+  // it refuses operators the value is safe, whatever happens to the wrapper
+  // the user holds.  It takes the donated key (donated_key.h): no Python
+  // object is made for it.
+  if (!DonatedKeyInUse()) {
+    PyErr_SetString(PyExc_RuntimeError, "poisoning's dispatch key is off");
+    return -1;
+  }
+  const uintptr_t core = CoreOf(t);
+  if (core == 0) return -1;
+  if (!TagRecord(core, r, note)) {
+    PyErr_SetString(PyExc_TypeError, "cannot tag this tensor with its donation record");
+    return -1;
+  }
+  SetDonatedKey(core, true);
+  return TakeTwinClass(t);
+}
+
+int Unpoison(PyObject* t) {
+  const uintptr_t core = CoreOf(t);
+  if (core == 0) return -1;
+  SetDonatedKey(core, false);
+  UntagRecord(core);
+  if (!IsDonatedType(t)) return 0;
+  // The twin's only base besides the mixin is the class it was made for.
+  PyObject* bases = Py_TYPE(t)->tp_bases;
+  PyObject* original = PyTuple_GET_ITEM(bases, PyTuple_GET_SIZE(bases) - 1);
+  if (TwinClassOf(reinterpret_cast<PyTypeObject*>(original)) !=
+      reinterpret_cast<PyObject*>(Py_TYPE(t))) {
+    PyErr_SetString(PyExc_TypeError, "a donated class torch_xla_donate did not make");
+    return -1;
+  }
+  return PyObject_GenericSetAttr(t, ClassAttr(), original);
 }
 
 }  // namespace torch_xla_donate

@@ -11,9 +11,7 @@ from torch_xla.experimental import gradient_accumulation as ga
 
 import torch_xla_donate as tdx
 from torch_xla_donate._base import compat as _compat
-from torch_xla_donate._base import xla as _xla
 from torch_xla_donate._hooks import executions
-from torch_xla_donate._outcomes import ownership
 
 
 def _release():
@@ -106,28 +104,19 @@ def test_a_value_a_failed_step_lost_is_reported_lost_never_kept(dev, monkeypatch
         t.sum()
 
 
-# 2.8 and later accept both forms, so the 2.7 path runs on them too.
-_OWNER_QUERY_FORMS = {"2.7 form": False}
-if _xla._DATA_NODES_TAKE_UNCLONED:
-    _OWNER_QUERY_FORMS["2.8+ form"] = True
-
-
-@pytest.mark.parametrize("takes_uncloned", _OWNER_QUERY_FORMS.values(),
-                         ids=_OWNER_QUERY_FORMS.keys())
-def test_both_forms_of_the_buffer_owner_query_agree(dev, monkeypatch, takes_uncloned):
-    """torch_xla 2.7's ``_get_tensors_xla_device_data_node`` takes one list;
-    both forms must tell a copy sharing its source's buffer from a tensor
-    with its own."""
-    monkeypatch.setattr(_xla, "_DATA_NODES_TAKE_UNCLONED", takes_uncloned)
+def test_a_copy_made_since_the_barrier_has_no_buffer_of_its_own(dev):
+    """A copy shares its source's buffer until the next barrier: marking
+    refuses it, its source it does not; after the barrier both own one."""
     source = materialize(torch.arange(6.0, device=dev) * 2)
     copy = torch.empty(6, device=dev)
     copy.copy_(source)  # shares the source's buffer until the next barrier
-    assert ownership.owns_its_buffer(source) and not ownership.owns_its_buffer(copy)
     with pytest.raises(ValueError, match="copy"):
         tdx.donate_buffer(copy)
+    tdx.donate_buffer(source)
+    assert tdx.undonate(source)
     torch_xla.sync()
-    assert ownership.owns_its_buffer(copy)
-    assert _xla.buffer_owner_ids([copy]) == [_xla.tensor_id(copy)]
+    tdx.donate_buffer(copy)
+    assert tdx.undonate(copy)
     assert torch.equal(copy.cpu(), source.cpu())
 
 

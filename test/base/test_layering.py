@@ -108,10 +108,10 @@ def test_only_native_imports_the_extension():
 
 def test_the_checker_sees_relative_and_function_level_imports(tmp_path):
     """The rules would pass vacuously if imports were missed."""
-    assert "torch_xla_donate._base.native" in GRAPH["torch_xla_donate._base.xla"]
+    assert "torch_xla_donate._base.native" in GRAPH["torch_xla_donate._base.guards"]
     assert "torch_xla_donate._outcomes.verdicts" in GRAPH["torch_xla_donate._outcomes.report"]
     assert GRAPH["torch_xla_donate._marking.trees"] >= {
-        "torch_xla_donate._marking.checks", "torch_xla_donate._outcomes.poison"}
+        "torch_xla_donate._marking.refusals", "torch_xla_donate._outcomes.poison"}
     source = "def f():\n    from .._hooks import commit\n"
     path = tmp_path / "probe.py"
     path.write_text(source)

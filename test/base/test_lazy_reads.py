@@ -1,10 +1,7 @@
-"""reads (csrc/lazy/lazy_reads.h and _base/reads.py): the native twin and the
-``_XLAC`` twin give torch_xla's own answers, in every state a tensor can be
-in; the native one also counts the holders of a buffer; the guard declines
-what it cannot read; the self-test and the environment switch fall back.
-
-Each twin is tested against ``_XLAC`` itself.  For the native twin, the test
-also checks that the native read answered (no silent fallback).
+"""reads (csrc/lazy/lazy_reads.h and _base/reads.py): the native reads give
+torch_xla's own answers (``_XLAC``, the reference here), in every state a
+tensor can be in; they count the holders of a buffer; the guard declines
+what it cannot read; a guard that disagrees switches donation off.
 """
 import pytest
 import torch
@@ -13,22 +10,25 @@ import torch_xla.core.xla_model as xm
 from helpers import Wrapper, materialize, run_python
 
 from torch_xla_donate import _C
-from torch_xla_donate._base import reads, reads_check, xla
+from torch_xla_donate._base import guards, reads, xla
 
 X = torch_xla._XLAC
-TWINS = ["native", "xlac"]
+# torch_xla 2.7's owner query takes the output tensors only; 2.8 added the
+# list of tensors to hand back uncloned.
+_TAKES_UNCLONED = "uncloned" in (X._get_tensors_xla_device_data_node.__doc__ or "")
 
 
-@pytest.fixture(params=TWINS)
-def twin(request, dev):
-    if request.param == "native":
-        reads.tensor_id(torch.zeros(1).to(dev))  # the first read decides
-        assert reads.path() == "native reads"
-    return request.param
+def _owner_query(t):
+    """torch_xla's owner query for one tensor: the id its buffer is filed
+    under (-1: none).  It caches an IR value on ``t``: ask it last."""
+    args = ([t], [t]) if _TAKES_UNCLONED else ([t],)
+    owner = X._get_tensors_xla_device_data_node(*args)[0][0]
+    return -1 if owner == X._get_seed_info_id() else owner
 
 
-def _twin(name):
-    return getattr(reads, name)
+@pytest.fixture
+def R(dev, native_reads):
+    return reads
 
 
 def _donated(dev):
@@ -64,21 +64,19 @@ STATES = {
 
 
 def _truth(t):
-    """torch_xla's own answers, in the order of the twins' functions."""
+    """torch_xla's own answers, in the order of the reads' functions."""
     pending = X._check_tensor_need_materialization([t])[0]
     consumed = X._is_placecholder(t)
     live = not pending and not consumed
     handle = X._get_tensors_handle([t])[0] if live else 0
-    owner = xla.buffer_owner_ids([t])[0] if live else None  # last: it caches an IR value
+    owner = _owner_query(t) if live else None  # last: it caches an IR value
     return X._xla_get_tensor_id(t), pending, consumed, handle, owner
 
 
 @pytest.mark.parametrize("state", sorted(STATES))
-def test_every_read_agrees_with_xlac(twin, state, dev):
+def test_every_read_agrees_with_xlac(R, state, dev):
     t, other = STATES[state](dev)
-    R = _twin(twin)
-    if twin == "native":
-        assert _C.lazy_facts(t) is not None, f"the native read declined a {state} tensor"
+    assert _C.lazy_facts(t) is not None, f"the native read declined a {state} tensor"
     got_key, got_other_key = R.buffer_key(t), R.buffer_key(other)
     got = (R.tensor_id(t), R.is_pending(t), R.is_consumed(t), R.owner_ids([t])[0])
     tid, pending, consumed, handle, owner = _truth(t)
@@ -91,20 +89,17 @@ def test_every_read_agrees_with_xlac(twin, state, dev):
 
 
 @pytest.mark.parametrize("state", ["traced", "copied", "cloned", "view"])
-def test_owner_ids_of_a_list_are_per_tensor(twin, state, dev):
-    """torch_xla's list query names a shared buffer once; the twins answer per tensor."""
+def test_owner_ids_of_a_list_are_per_tensor(R, state, dev):
+    """torch_xla's list query names a shared buffer once; the reads answer per tensor."""
     t, other = STATES[state](dev)
-    got = _twin(twin).owner_ids([t, other, t])
+    got = R.owner_ids([t, other, t])
     expected = [_truth(x)[4] for x in (t, other, t)]
     assert got == expected
 
 
-def test_native_facts_name_the_buffer_and_its_handle(twin, dev):
-    if twin == "xlac":
-        assert reads.xlac.facts(materialize(torch.ones(2).to(dev) + 0)) is None
-        return
+def test_native_facts_name_the_buffer_and_its_handle(R, dev):
     t = materialize(torch.ones(2).to(dev) + 0)
-    f = reads.native.facts(t)
+    f = R.facts(t)
     assert (f.tensor_id, f.has_handle, f.has_value, f.pending) == (X._xla_get_tensor_id(t), True,
                                                                   True, False)
     assert f.handle == X._get_tensors_handle([t])[0] != 0
@@ -126,54 +121,41 @@ def _read_into_op(dev):
 
 @pytest.mark.parametrize("make, expected", [(_clean, 1), (_read_into_op, 2)],
                          ids=["traced", "read into an op"])
-def test_clean_tensors_have_the_expected_holders(twin, make, expected, dev):
+def test_clean_tensors_have_the_expected_holders(R, make, expected, dev):
     t = make(dev)
-    got = _twin(twin).holders([t])[0]
-    if twin == "xlac":
-        assert got is None  # no _XLAC equivalent: unknown
-        return
+    got = R.holders([t])[0]
     assert got == reads.Holders(expected, expected, 1)
 
 
-def test_a_clone_read_before_its_step_is_an_extra_holder(twin, dev):
+def test_a_clone_read_before_its_step_is_an_extra_holder(R, dev):
     t = _clean(dev)
     c = t.clone()
     c.cpu()
-    R = _twin(twin)
     assert R.buffer_key(c) == R.buffer_key(t) != 0
     h = R.holders([t])[0]
-    if twin == "native":
-        assert h.actual == h.expected + 1
+    assert h.actual == h.expected + 1
     del c
-    if twin == "native":
-        h = R.holders([t])[0]
-        assert h.actual == h.expected
+    h = R.holders([t])[0]
+    assert h.actual == h.expected
 
 
-def test_a_copy_held_only_by_autograd_is_an_extra_holder(twin, dev):
+def test_a_copy_held_only_by_autograd_is_an_extra_holder(R, dev):
     t = _clean(dev)
     x = torch.randn(4).to(dev).requires_grad_()
     loss = (x * t.to(dev, copy=True)).sum()  # the copy lives on only in the graph
     materialize()
-    R = _twin(twin)
     held = R.holders([t])[0]
     del loss
     freed = R.holders([t])[0]
-    if twin == "xlac":
-        assert held is None and freed is None
-        return
     assert held.actual == held.expected + 1
     assert freed.actual == freed.expected
 
 
-def test_a_replaced_tensor_shares_its_xla_tensor(twin, dev):
+def test_a_replaced_tensor_shares_its_xla_tensor(R, dev):
     p, s = _replaced(dev)
-    got = _twin(twin).holders([p, s, _clean(dev)])
-    if twin == "xlac":
-        assert got == [None] * 3
-        return
+    got = R.holders([p, s, _clean(dev)])
     assert [h.xla_tensor_refs for h in got] == [2, 2, 1]
-    assert _twin(twin).tensor_id(p) == X._xla_get_tensor_id(s)
+    assert R.tensor_id(p) == X._xla_get_tensor_id(s)
 
 
 # -- The guard -------------------------------------------------------------------
@@ -188,13 +170,16 @@ def _stale_view(dev):
 
 @pytest.mark.parametrize("make", [lambda dev: torch.ones(3), lambda dev: Wrapper(torch.ones(3)),
                                   _stale_view], ids=["cpu", "wrapper subclass", "stale view"])
-def test_the_native_read_declines_what_it_cannot_read(make, dev):
-    reads.tensor_id(torch.zeros(1).to(dev))
+def test_the_native_read_declines_what_it_cannot_read(make, dev, native_reads):
     t = make(dev)
     assert _C.lazy_facts(t) is None
     assert _C.lazy_tensor_id(t) is None and _C.lazy_holders([t]) == [None]
-    if t.device.type == "xla" and type(t) is torch.Tensor:  # the fallback answers
-        assert reads.native.tensor_id(t) == X._xla_get_tensor_id(t)
+    if t.device.type == "xla" and type(t) is torch.Tensor:
+        # No plain device data: pending, for marking and the commit alike.
+        assert _C.pending_flags([t]) == [True] and reads.pending_flags([t]) == [True]
+    else:
+        with pytest.raises(TypeError, match="takes XLA tensors"):
+            _C.pending_flags([t])
 
 
 def test_the_learned_type_is_checked_by_name(dev):
@@ -202,69 +187,74 @@ def test_the_learned_type_is_checked_by_name(dev):
     assert _C.lazy_learn(torch.ones(2).to(dev)) == ""
 
 
-@pytest.mark.parametrize("field", ["tensor_id", "pending", "has_value", "handle", "query_owner"])
-def test_the_self_test_sees_a_wrong_native_answer(field, dev, monkeypatch):
-    monkeypatch.setattr(reads_check, "CORRUPT", field)
-    why = reads_check.run(torch.zeros(1).to(dev))
-    assert why, f"a wrong {field} passed the self-test"
-    monkeypatch.setattr(reads_check, "CORRUPT", None)
-    assert reads_check.run(torch.zeros(1).to(dev)) is None
+@pytest.mark.parametrize("field", ["tensor_id", "pending", "has_value", "handle"])
+def test_the_guard_sees_a_wrong_native_answer(field, dev, monkeypatch):
+    t = materialize(torch.ones(3).to(dev) + 0)
+    monkeypatch.setattr(guards, "CORRUPT", field)
+    why = guards._reads(t)
+    assert why and why.startswith(f"{field if field != 'has_value' else 'consumed'}: native"), why
+    monkeypatch.setattr(guards, "CORRUPT", None)
+    assert guards._reads(t) is None
 
 
-# -- The selector, in processes of their own ------------------------------------------
+# -- The guard, in processes of their own ------------------------------------------
 
-_FIRST_READ = """
+_FIRST_MARK = """
+import warnings
 import torch, torch_xla
+import torch_xla.core.xla_model as xm
+import torch_xla.debug.metrics as met
 import torch_xla_donate as tdx
 from torch_xla_donate import _C
-from torch_xla_donate._base import reads, reads_check
-assert reads.path() {before}
+from torch_xla_donate._base import guards
+assert guards.state("reads") == "not decided yet"
 assert not torch_xla._XLAC._xla_runtime_is_initialized(), "import started the runtime"
 {setup}
-x = torch.arange(4.0).to(torch_xla.device()) + 1
-step, marks = _C.current_step(), _C.marked_count()
-assert reads.tensor_id(x) == torch_xla._XLAC._xla_get_tensor_id(x)
-assert torch_xla._XLAC._check_tensor_need_materialization([x]) == [True], "the self-test synced x"
-assert _C.current_step() == step and _C.marked_count() == marks, "the self-test committed marks"
-assert reads.is_pending(x) and _C.lazy_enabled() == (reads.path() == "native reads")
-print("PATH:", reads.path())
+dev = torch_xla.device()
+p = torch.ones(64, device=dev) * 2
+g = torch.ones(64, device=dev)
+torch_xla.sync(); xm.wait_device_ops()
+met.clear_all()
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    tdx.donate_buffer(p)
+    new = p - 0.5 * g
+    torch_xla.sync(); xm.wait_device_ops(); tdx.settle()
+print("PATH:", guards.state("reads"))
+print("DELETED:", tdx.is_deleted(p))
+kept = p.cpu().tolist() == [2.0] * 64 if not tdx.is_deleted(p) else "gone"
+print("VALUE:", new.cpu().tolist() == [1.5] * 64, kept)
+print("WARNED:", [w.category.__name__ for w in caught])
+print("COMPILES:", met.metric_data("CompileTime")[0])
+print("EXECUTIONS:", met.metric_data("ExecuteTime")[0])
+print("ALIASES:", met.metric_data("InputOutputAliasCount")[1])
 print("SUMMARY:", [l for l in str(tdx.summary()).splitlines() if "tensor reads" in l][0])
 print("METRICS:", tdx.metrics_report().split("Setting: TensorReads\\n  Value: ")[1].splitlines()[0])
 """
 
 
-def _first_read(setup="", env=None, before='== "not decided yet"'):
-    out = run_python(_FIRST_READ.format(setup=setup, before=before), env=env).stdout
+def _first_mark(setup="", env=None):
+    out = run_python(_FIRST_MARK.format(setup=setup), env=env).stdout
     return dict(line.split(": ", 1) for line in out.splitlines() if ": " in line)
 
 
-_USER_MARK = """
-import torch_xla.core.xla_model as xm
-m = torch.ones(3).to(torch_xla.device()) + 0
-torch_xla.sync(); xm.wait_device_ops()
-tdx.donate_buffer(m)
-"""
-
-
-@pytest.mark.parametrize("setup, env", [("", {}), (_USER_MARK, {}),
-                                        ("", {"XLA_ENABLE_PARAM_ALIASING": "0"})],
-                         ids=["plain", "a donation marked", "aliasing off"])
-def test_the_first_read_decides_and_leaves_nothing_behind(setup, env):
-    out = _first_read(setup=setup, env=env)
-    assert out["PATH"] == "native reads"
+def test_the_first_donating_step_is_the_users_graph_alone():
+    """The guard runs on the tensor being marked: no tensor or graph of its
+    own, so torch_xla's metrics after ``met.clear_all()`` show one compile,
+    one execution and one alias for a step that donates one tensor."""
+    out = _first_mark()
+    assert out["PATH"] == "native reads" and out["DELETED"] == "True"
+    assert out["VALUE"] == "True gone"
+    assert (out["COMPILES"], out["EXECUTIONS"], out["ALIASES"]) == ("1", "1", "1.0"), out
     assert out["SUMMARY"].endswith("tensor reads: native reads")
     assert out["METRICS"] == "native reads"
 
 
-def test_the_environment_switch_forces_the_fallback():
-    out = _first_read(env={reads.ENV: "0"}, before='== "_XLAC (TORCH_XLA_DONATE_NATIVE_READS=0)"')
-    assert out["PATH"] == "_XLAC (TORCH_XLA_DONATE_NATIVE_READS=0)"
-    assert "_XLAC (TORCH_XLA_DONATE_NATIVE_READS=0)" in out["SUMMARY"]
-
-
-def test_a_self_test_mismatch_falls_back_and_says_why():
-    out = _first_read(setup='reads_check.CORRUPT = "tensor_id"')
-    assert out["PATH"].startswith("_XLAC (tensor_id of a fresh tensor: native ")
+def test_a_guard_that_disagrees_switches_donation_off_and_says_why():
+    out = _first_mark(setup='guards.CORRUPT = "tensor_id"')
+    assert out["PATH"].startswith("off (tensor_id: native "), out
+    assert out["DELETED"] == "False" and out["VALUE"] == "True True"
+    assert out["WARNED"] == "['DonationDisabledWarning']"
     assert out["PATH"] in out["SUMMARY"] and out["PATH"] in out["METRICS"]
 
 
@@ -281,22 +271,22 @@ class W(torch.Tensor):
 dev = torch_xla.device()
 with FakeTensorMode():
     fake = torch.ones(3, device=dev)
-    assert reads.holders([fake]) == [None]
-assert reads.holders([W(torch.ones(3).to(dev))]) == [None]
-assert reads.path() == "not decided yet", reads.path()
+    assert not guards.decide(fake)
+assert not guards.decide(W(torch.ones(3).to(dev)))
+assert guards.state("reads") == "not decided yet", guards.state("reads")
 """
 
 
-def test_a_first_read_the_self_test_cannot_use_waits():
+def test_a_first_mark_the_guard_cannot_use_waits():
     """A fake tensor or a wrapper subclass on the XLA device, first: no verdict yet."""
-    assert _first_read(setup=_NOT_TESTABLE_FIRST)["PATH"] == "native reads"
+    assert _first_mark(setup=_NOT_TESTABLE_FIRST)["PATH"] == "native reads"
 
 
 _NO_FUNCTIONALIZATION = """
 import torch, torch_xla
 import torch_xla.core.xla_model as xm
 from torch_xla_donate import _C
-from torch_xla_donate._base import reads, xla
+from torch_xla_donate._base import guards, reads, xla
 X = torch_xla._XLAC
 dev = torch_xla.device()
 def sync(): torch_xla.sync(); xm.wait_device_ops()
@@ -305,38 +295,38 @@ v = base[2:5]                       # torch_xla's own view: base becomes one too
 copy = base.to(dev, copy=True)
 pending = base * 2
 stale = base[0:2]; base.add_(1)     # a view with an update pending
-for t in (base, v, copy, pending, stale):
+guards.decide(copy)
+for t in (copy, pending):
     n = [reads.tensor_id(t), reads.is_pending(t)]
     assert n == [X._xla_get_tensor_id(t), X._check_tensor_need_materialization([t])[0]], n
+for t in (base, v, stale):  # torch_xla's own views (base is one now): no plain device data
+    assert reads.tensor_id(t) is None and reads.pending_flags([t]) == [True]
+    assert X._check_tensor_need_materialization([t]) == [True]
 sync()
 assert reads.holders([base, copy]) == [None, None]  # torch_xla's views hold buffers unseen
-print("PATH:", reads.path())
+print("PATH:", guards.state("reads"))
 print("FUNCTIONAL:", [_C.lazy_facts(t)[0] for t in (copy,) if _C.lazy_facts(t)])
 """
 
 
-def test_without_functionalization_reads_agree_or_fall_back():
+def test_without_functionalization_reads_agree():
     out = run_python(_NO_FUNCTIONALIZATION, env={"XLA_DISABLE_FUNCTIONALIZATION": "1"}).stdout
-    path = out.split("PATH: ", 1)[1].splitlines()[0]
-    assert path == "native reads" or path.startswith("_XLAC (")
-    if path == "native reads":
-        assert "FUNCTIONAL: [False]" in out  # read bare XLATensorImpls, not wrappers
+    assert "PATH: native reads" in out
+    assert "FUNCTIONAL: [False]" in out  # read bare XLATensorImpls, not wrappers
 
 
-# The process's first donation, made each way a user makes one: the reads are
-# decided outside any commit (marking decides; a commit never runs the
-# self-test), and that first step's donations are used.  (A self-test run
-# inside a commit once left that step's donations unused: seen in
-# test_xla_cpu.py's probe, whose first read came at the barrier.)
+# The process's first donation, made each way a user makes one: the guard
+# decides at the first mark (or, for a compiled function's own, at its
+# commit), and that first step's donations are used.
 _FIRST_DONATION = """
 import torch, torch_xla
 import torch_xla_donate as tdx
-from torch_xla_donate._base import reads
+from torch_xla_donate._base import guards
 dev = torch_xla.device()
 p = torch.ones(64, device=dev) * 2; q = torch.ones(64, device=dev) * 3
 g = torch.ones(64, device=dev)
 torch_xla.sync()
-assert not reads.decided()
+assert not guards.decided()
 def update(p, q, g):
     return p - 0.5 * g, q + g
 how = {how!r}
@@ -352,8 +342,7 @@ torch_xla.sync()
 tdx.settle()
 print("DELETED:", [tdx.is_deleted(p), tdx.is_deleted(q)])
 print("VALUE:", [new[0].cpu().tolist() == [1.5] * 64, new[1].cpu().tolist() == [4.0] * 64])
-reads.tensor_id(new[0])
-print("PATH:", reads.path())
+print("PATH:", guards.state("reads"))
 """
 
 
@@ -365,30 +354,17 @@ def test_the_first_donation_of_a_process_is_used(how):
     assert got["PATH"] == "native reads"
 
 
-# -- The hot path (csrc/base/tensor_access.h) ----------------------------------------
+# -- Many tensors at once ----------------------------------------------------------
 
 
-@pytest.mark.parametrize("state", sorted(STATES) + ["stale view"])
-def test_the_hot_paths_answers_are_torch_xlas_on_both_paths(reads_path, state, dev):
-    """TensorId, HasPendingIr and BufferDeleted, which marking, the commit
-    and the verdicts ask per tensor, read in place with native reads on and
-    ask the bound ``_XLAC`` callables with them off: the same answers."""
-    t = _stale_view(dev) if state == "stale view" else STATES[state](dev)[0]
-    assert _C.lazy_enabled() == (reads_path == "native")
-    got = _C.hot_path_reads(t)
-    assert _C.pending_flags([t, torch.ones(2), t]) == [got[1], False, got[1]]
-    assert got == (X._xla_get_tensor_id(t), X._check_tensor_need_materialization([t])[0],
-                   X._is_placecholder(t))
-
-
-def test_a_pass_over_many_tensors_answers_as_for_each_alone(reads_path, dev):
+@pytest.mark.usefixtures("native_reads")
+def test_a_pass_over_many_tensors_answers_as_for_each_alone(dev):
     """The commit's passes prefetch, level by level for all their tensors
     at once, what the native reads will read (lazy_reads.h PrefetchLazy),
     stepping over whatever those reads decline.  A list that mixes every
-    state with CPU tensors, a wrapper subclass and a stale view gets, tensor
-    by tensor, the answers each gets alone: torch_xla's own for XLA tensors."""
-    tensors = [STATES[s](dev)[0] for s in sorted(STATES)]
-    tensors += [torch.ones(3), Wrapper(torch.ones(3)), _stale_view(dev)]
+    state with a stale view gets, tensor by tensor, the answers each gets
+    alone: torch_xla's own (the stale view is declined: pending)."""
+    tensors = [STATES[s](dev)[0] for s in sorted(STATES)] + [_stale_view(dev)]
     alone = [_C.pending_flags([t])[0] for t in tensors]
     assert _C.pending_flags(tensors) == alone
     assert alone[:len(STATES)] == [X._check_tensor_need_materialization([t])[0]

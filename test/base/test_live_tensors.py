@@ -12,15 +12,15 @@ import torch
 import torch_xla
 from helpers import COPIES, collector_off, materialize, run_python
 
-from torch_xla_donate._base import arena, reads, xla
+from torch_xla_donate._base import arena, guards, reads, xla
 from torch_xla_donate._base.native import C
 
 
 @pytest.fixture
 def walk(dev):
     t = materialize(torch.randn(8, 8).to(dev))
-    reads.tensor_id(t)  # the first read decides the reads
-    assert arena.decide_on([t]), arena.state()
+    guards.decide(t)  # the first mark decides the guards
+    assert arena.in_use(), guards.state("walk")
     return t
 
 
@@ -123,17 +123,16 @@ def test_an_unreadable_donor_is_none(walk):
 _GUARD = """
 import torch, torch_xla, warnings
 import torch_xla_donate as tdx
-from torch_xla_donate._base import arena, reads
+from torch_xla_donate._base import arena, guards
 {setup}
 dev = torch_xla.device()
 t = torch.randn(8, 8).to(dev)
 torch_xla.sync()
-reads.tensor_id(t)
-print("IN USE:", arena.decide_on([t]))
-print("STATE:", arena.state())
+print("IN USE:", guards.decide(t) and arena.in_use())
+print("STATE:", guards.state("walk"))
 print("SUMMARY:", [l for l in str(tdx.summary()).splitlines() if "registry" in l][0])
 print("METRICS:", tdx.metrics_report().split("LiveTensorRegistry\\n  Value: ")[1].splitlines()[0])
-# A copy made in the donating step keeps its value on either path.
+# A copy made in the donating step keeps its value: donated, or donation off.
 value = t.cpu()
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
@@ -143,7 +142,9 @@ with warnings.catch_warnings(record=True) as caught:
     torch_xla.sync()
     tdx.settle()
 dropped = [w for w in caught if issubclass(w.category, tdx.DroppedDonationWarning)]
-print("KEPT:", torch.equal(c.cpu(), value) and torch.equal(t.cpu(), value), len(dropped))
+off = [w for w in caught if issubclass(w.category, tdx.DonationDisabledWarning)]
+print("KEPT:", torch.equal(c.cpu(), value) and torch.equal(t.cpu(), value), len(dropped), len(off))
+print("OFF:", str(off[0].message) if off else "")
 """
 
 
@@ -157,18 +158,18 @@ GUARDS = {
                                    "is not in"),
     "a count torch_xla disagrees with": ("arena.xla.live_tensor_count = lambda: -1", None,
                                          "the walk counts"),
-    "native reads off": ("", {reads.ENV: "0"}, "native reads are off"),
 }
 
 
 @pytest.mark.parametrize("guard", list(GUARDS))
-def test_each_guard_leaves_the_walk_off_says_why_and_values_hold(guard):
+def test_each_guard_switches_donation_off_says_why_and_values_hold(guard):
     setup, env, why = GUARDS[guard]
     out = _guarded(setup, env)
     assert out["IN USE"] == "False"
     assert out["STATE"].startswith("off (") and why in out["STATE"], out["STATE"]
     assert out["SUMMARY"].endswith(out["STATE"]) and out["METRICS"] == out["STATE"]
-    assert out["KEPT"] == "True 1"  # the Python search stood in for the walk
+    assert out["KEPT"] == "True 0 1"  # nothing donated; one DonationDisabledWarning
+    assert why in out["OFF"] and "Please report" in out["OFF"]
 
 
 def test_the_native_guard_refuses_an_object_of_another_type(walk):
@@ -187,4 +188,4 @@ def test_in_use_by_default():
     out = _guarded()
     assert out["IN USE"] == "True" and out["STATE"] == "in use"
     assert out["SUMMARY"].endswith("walk: in use") and out["METRICS"] == "in use"
-    assert out["KEPT"] == "True 1"
+    assert out["KEPT"] == "True 1 0"

@@ -40,7 +40,7 @@ torch_xla.sync()
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     tdx.donate_buffer(a)
-    fast = _C.try_mark(b, 1)      # opens only once the warning was given
+    fast = _C.try_mark(b) == 0    # marks only once the warning was given
     a2 = a + 1; b2 = b + 1
     torch_xla.sync()
 stale = [str(w.message) for w in caught if issubclass(w.category, tdx.StaleReadWarning)]

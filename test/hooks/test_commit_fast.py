@@ -24,7 +24,7 @@ from helpers import COPIES, buffer_ptr, materialize
 
 import torch_xla_donate as tdx
 from torch_xla_donate import _C
-from torch_xla_donate._base import arena, xla
+from torch_xla_donate._base import arena, guards, xla
 from torch_xla_donate._hooks import commit, install
 from torch_xla_donate.errors import DroppedDonationWarning
 
@@ -63,7 +63,7 @@ def spy(monkeypatch, dev):
     tdx.donate_buffer(t)
     t = t * 2
     torch_xla.sync(wait=True)
-    assert arena.in_use(), arena.state()
+    assert arena.in_use(), guards.state("walk")
     watched = _Spy(commit.C)
     monkeypatch.setattr(commit, "C", watched)
     return watched

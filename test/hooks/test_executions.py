@@ -168,19 +168,19 @@ def test_uninstall_cancels_every_mark_and_install_brings_the_hooks_back(dev):
 
 
 def test_a_configure_after_uninstall_keeps_the_fast_path_closed(dev):
-    """One module writes the native fast-path switch (_base/fast_path.py): a
-    ``configure()`` after ``uninstall()`` (its listener refreshes the switch)
-    cannot reopen it while the hooks are out."""
+    """One module writes the native marking state (_base/switches.py): a
+    ``configure()`` after ``uninstall()`` (its listener refreshes the state)
+    cannot let marking on while the hooks are out."""
     t = _state(dev)
     step_hook.uninstall()
     try:
         previous = tdx.configure(enabled=True)
-        assert not _C.try_mark(t, ("here.py", 1), _C.Via.DONATE_BUFFER)
+        assert _C.try_mark(t, _C.Via.DONATE_BUFFER, ("here.py", 1)) == _C.Refusal.OFF
         assert not tdx.is_donated(t)
         tdx.configure(**previous)
     finally:
         step_hook.install()
-    assert _C.try_mark(t, ("here.py", 1), _C.Via.DONATE_BUFFER)  # open again
+    assert _C.try_mark(t, _C.Via.DONATE_BUFFER, ("here.py", 1)) == 0  # on again
     assert tdx.undonate(t)
 
 

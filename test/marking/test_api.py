@@ -9,7 +9,6 @@ from helpers import buffer_ptr, materialize, run_python
 
 import torch_xla_donate as tdx
 from torch_xla_donate import _C
-from torch_xla_donate._base import fast_path
 
 
 def test_installed_into_torch_xla():
@@ -32,16 +31,22 @@ def _donate_here(t):
     return sys._getframe().f_lineno - 1
 
 
-@pytest.fixture(params=["native", "python"])
+@pytest.fixture(params=["one native call", "refused first"])
 def marking_path(request, monkeypatch):
-    """donate_buffer marks natively, or (fast path closed: a subclass, a
-    view, a commit on another thread...) through its Python half."""
-    if request.param == "python":  # closed, and every barrier keeps it closed
-        monkeypatch.setattr(fast_path, "refresh", lambda: _C.set_fast_path_enabled(False))
-        fast_path.refresh()
-    yield request.param
-    monkeypatch.undo()
-    fast_path.refresh()
+    """donate_buffer marks in its one native call, or (a commit on another
+    thread, a class met for the first time...) after Python resolved what
+    the native call refused: both blame the caller's line."""
+    if request.param == "refused first":
+        monkeypatch.setattr(_C, "try_mark", _refusing_once(_C.try_mark))
+    return request.param
+
+
+def _refusing_once(try_mark):
+    """``C.try_mark`` that refuses the call from ``donate_buffer`` itself
+    (its one argument) as a commit on another thread would."""
+    def refusing(tensor, *args):
+        return int(_C.Refusal.COMMITTING) if not args else try_mark(tensor, *args)
+    return refusing
 
 
 def test_records_name_the_line_of_each_donate_buffer_call(dev, marking_path):

@@ -270,19 +270,23 @@ def test_module_and_optimizer_together(dev):
 
 
 def test_native_batch_marks_all_or_nothing(dev):
-    """``_C.try_mark_all``, donate()'s fast path: when one tensor is not
-    donatable it marks none and leaves no torch_xla donor flag behind."""
+    """``_C.try_mark_all``, donate()'s one native call: when one tensor is
+    refused it marks none, says which and why, and leaves no torch_xla
+    donor flag behind."""
+    via = _C.Via.DONATE
     ok = [materialize(torch.full((4,), float(i), device=dev)) for i in range(3)]
+    tdx.donate_buffer(ok[0])  # the guards decided (a first mark)
+    tdx.undonate(ok[0])
     pending = materialize(torch.zeros(4, device=dev))
-    pending.add_(1)  # passes the cheap checks; torch_xla refuses the flag
-    assert _C.try_mark_all(ok + [pending], ("here.py", 1)) == -1
+    pending.add_(1)
+    assert _C.try_mark_all(ok + [pending], via, ("here.py", 1)) == (_C.Refusal.PENDING, 3)
     assert not any(tdx.is_donated(t) for t in ok + [pending])
     assert not any(torch_xla._XLAC._get_buffer_donation(t) for t in ok)
-    assert _C.try_mark_all([ok[0], torch.zeros(4)], ("here.py", 1)) == -1  # a CPU tensor
+    assert _C.try_mark_all([ok[0], torch.zeros(4)], via, ("here.py", 1)) == (_C.Refusal.NOT_XLA, 1)
     assert not tdx.is_donated(ok[0])
     # All donatable (a scalar among them is skipped): all marked, blamed on `where`.
     scalar = materialize(torch.tensor(1.0, device=dev))
-    assert _C.try_mark_all(ok + [scalar], ("here.py", 7)) == 3
+    assert _C.try_mark_all(ok + [scalar], via, ("here.py", 7)) == (0, 3)
     assert all(tdx.is_donated(t) for t in ok) and not tdx.is_donated(scalar)
     new = [t + 1 for t in ok]
     torch_xla.sync()

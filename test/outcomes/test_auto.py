@@ -217,6 +217,8 @@ _UNAVAILABLE = """
 import warnings
 import torch, torch_xla
 import torch_xla_donate as tdx
+from torch_xla_donate._base import guards
+guards.CORRUPT = "tensor_id"
 dev = torch_xla.device()
 try:
     with tdx.advise():
@@ -236,9 +238,8 @@ print("summary:", tdx.summary().auto == "")
 
 
 def test_without_native_reads_auto_and_advise_say_so():
-    out = run_python(_UNAVAILABLE, env={"TORCH_XLA_DONATE_NATIVE_READS": "0",
-                                        "TORCH_XLA_DONATE_AUTO": "1"}).stdout
-    assert "raised: " in out and "TORCH_XLA_DONATE_NATIVE_READS=0" in out
+    out = run_python(_UNAVAILABLE, env={"TORCH_XLA_DONATE_AUTO": "1"}).stdout
+    assert "raised: " in out and "native reads are off: off (tensor_id: native" in out
     assert "warned: ['TORCH_XLA_DONATE_AUTO" in out
     assert "summary: True" in out
 

@@ -9,7 +9,8 @@ import torch_xla
 from helpers import collector_off, materialize
 
 from torch_xla_donate import _C
-from torch_xla_donate._outcomes import poison, poison_key
+from torch_xla_donate._base import guards
+from torch_xla_donate._outcomes import poison
 from torch_xla_donate.errors import DonatedBufferError
 
 
@@ -23,21 +24,12 @@ def consumed_record():
     return record
 
 
-@pytest.fixture(params=["native key", "Python key, native inner", "Python key, builtin inner"])
-def donated(request, consumed_record, dev):
-    """A poisoned tensor, refused by the plugin's dispatch key
-    (donated_key.h) or by its twin, the Python dispatch key, with the tensor
-    it wraps found natively (variable.h) or by torch's builtin: every path
-    gives one behaviour."""
-    assert poison_key.decide_key(dev), poison_key.key_state()
-    _C.set_donated_key_in_use(request.param == "native key")
-    _C.set_functional_inner_native(request.param != "Python key, builtin inner")
-    try:
-        t = materialize(torch.ones(2, 3, device=dev))
-        poison.poison(t, consumed_record)
-    finally:
-        _C.set_functional_inner_native(True)
-        _C.set_donated_key_in_use(True)
+@pytest.fixture
+def donated(consumed_record, dev):
+    """A poisoned tensor, refused by the plugin's dispatch key (donated_key.h)."""
+    t = materialize(torch.ones(2, 3, device=dev))
+    assert guards.decide(t) and _C.donated_key_in_use(), guards.state("poisoning")
+    poison.poison(t, consumed_record)
     return t
 
 
@@ -174,8 +166,7 @@ def test_unpoison_restores_the_original_class(consumed_record, dev):
     poison.poison(p, consumed_record)
     poison.unpoison(p)
     assert type(p) is torch.nn.Parameter and not poison.is_poisoned(p)
-    assert type(poison.inner(p)) is torch.Tensor
-    assert "Python" not in str(torch._C._dispatch_keys(poison.inner(p)))
+    assert type(poison.inner(p)) is torch.Tensor and not _C.has_donated_key(poison.inner(p))
     assert p.sum().item() == 2
 
 
@@ -211,9 +202,8 @@ def test_poisoning_allocates_little_the_garbage_collector_counts(consumed_record
     # A __dict__ per poisoned tensor (our first design) doubled a training
     # loop's young-generation collections; gc.get_count()[0] counts them.
     # What remains here is the Python object of the tensor torch_xla sees,
-    # which this Python twin of poisoning reads through ``inner``: one per
-    # poisoned tensor (the native one a commit runs makes none with the
-    # donated key: test_release.py).
+    # which ``poison.poison``'s check of a functional alias reads: one per
+    # poisoned tensor (a commit makes none: test_release.py).
     import gc
 
     ts = [torch.ones(2, device=dev) for _ in range(200)]
@@ -245,18 +235,3 @@ def test_load_state_dict_refills_a_module_whose_parameters_were_consumed(dev):
     assert not tdx.is_deleted(model.weight) and type(model.weight) is torch.nn.Parameter
     torch.testing.assert_close(model.weight.detach().cpu(), checkpoint["weight"])
     assert model(torch.ones(1, 4, device=dev)).shape == (1, 4)
-
-
-def test_the_tensor_poisoning_swaps_is_torchs_own(dev):
-    """Poisoning reads the wrapped tensor's object natively (variable.h), as
-    ``torch._from_functional_tensor`` gives it."""
-    t = materialize(torch.arange(3.0, device=dev))
-    assert _C.functional_inner_native(), "torch's THPVariable_Wrap not found"
-    inner = _C.functional_inner(t)
-    assert inner._cdata == torch._from_functional_tensor(t)._cdata
-    assert _C.functional_inner(torch.ones(2)) is None  # no functional tensor
-    _C.set_functional_inner_native(False)
-    try:
-        assert not _C.functional_inner_native() and _C.functional_inner(t) is None
-    finally:
-        _C.set_functional_inner_native(True)

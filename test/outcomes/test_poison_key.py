@@ -1,9 +1,8 @@
 """The donated dispatch key (csrc/outcomes/donated_key.h): a consumed
 tensor refuses operators through a key of the plugin's own on the tensor
 torch_xla computes with, whose native fallback asks poison.py; no Python
-object is made for that tensor.  Its twin, the Python dispatch key, is
-what ``TORCH_XLA_DONATE_NATIVE_POISON=0`` or a failed self-test leaves;
-test_poison.py runs every use on both."""
+object is made for that tensor.  A key someone else took switches
+donation off."""
 import threading
 
 import pytest
@@ -13,7 +12,7 @@ from helpers import materialize, run_python
 
 import torch_xla_donate as tdx
 from torch_xla_donate import _C
-from torch_xla_donate._outcomes import poison, poison_key
+from torch_xla_donate._base import guards
 
 
 def _consumed(dev, n=1):
@@ -29,29 +28,24 @@ def _consumed(dev, n=1):
 def test_the_key_is_in_use_and_the_reports_say_so(dev):
     _consumed(dev)
     assert _C.donated_key_in_use()
-    assert poison_key.key_state() == "native dispatch key"
+    assert guards.state("poisoning") == "native dispatch key"
     assert "  poisoning: native dispatch key" in str(tdx.summary())
     assert "Setting: Poisoning\n  Value: native dispatch key\n" in tdx.metrics_report()
 
 
-def test_the_tensor_torch_xla_computes_with_gets_the_key_and_no_python_object(dev, poison_path):
-    """With the key, poisoning leaves the wrapped tensor without a Python
-    object: its TensorImpl points at none.  With the Python key it has one,
-    of the class refusing operators."""
+def test_the_tensor_torch_xla_computes_with_gets_the_key_and_no_python_object(dev):
+    """Poisoning leaves the wrapped tensor without a Python object: its
+    TensorImpl points at none."""
     (x,), _ = _consumed(dev)
     inner_has_object = _C.functional_inner_has_object(x)  # before any look at it
     assert tdx.is_deleted(x)
-    if poison_path == "key":
-        assert not inner_has_object
-        assert _C.has_donated_key(torch._from_functional_tensor(x))
-    else:
-        assert inner_has_object
-        assert isinstance(torch._from_functional_tensor(x), poison._RefusesOperators)
+    assert not inner_has_object
+    assert _C.has_donated_key(torch._from_functional_tensor(x))
     with pytest.raises(tdx.DonatedBufferError):
         x + 1
 
 
-def test_a_use_on_another_thread_raises_there(dev, poison_path):
+def test_a_use_on_another_thread_raises_there(dev):
     """The dispatcher runs the fallback without the GIL on any thread: the
     error reaches that thread's caller, typed."""
     (x,), _ = _consumed(dev)
@@ -69,7 +63,7 @@ def test_a_use_on_another_thread_raises_there(dev, poison_path):
     assert len(caught) == 1 and isinstance(caught[0], tdx.DonatedBufferError), caught
 
 
-def test_a_shallow_copy_of_the_wrapped_tensor_carries_no_record(dev, poison_path):
+def test_a_shallow_copy_of_the_wrapped_tensor_carries_no_record(dev):
     """torch copies a TensorImpl's key set into its shallow copies
     (``.data``), the donated key with it; the record tag stays behind, and a
     tensor with the key but no record is no donated tensor: the fallback
@@ -77,49 +71,40 @@ def test_a_shallow_copy_of_the_wrapped_tensor_carries_no_record(dev, poison_path
     (x,), _ = _consumed(dev)
     copy = torch._from_functional_tensor(x).data
     assert _C.tagged_record(copy) is None
-    assert _C.has_donated_key(copy) == (poison_path == "key")
+    assert _C.has_donated_key(copy)
     with pytest.raises(Exception) as info:
         (copy * 2).cpu()
     assert not isinstance(info.value, tdx.DonatedBufferError)
 
 
-_SWITCHED_OFF = """
-import torch, torch_xla
-import torch_xla_donate as tdx
-from torch_xla_donate._outcomes import poison, poison_key
-dev = torch_xla.device()
-x = torch.arange(8.0, device=dev) + 0
-torch_xla.sync()
-tdx.donate_buffer(x)
-y = x * 2
-torch_xla.sync()
-try:
-    x + 1
-    print("NOT REFUSED")
-except tdx.DonatedBufferError:
-    print("REFUSED")
-print("INNER:", type(torch._from_functional_tensor(x)).__name__)
-print("STATE:", poison_key.key_state())
-"""
-
 # A fallback some other code registered on the key first (torch's
 # TORCH_LIBRARY_IMPL, here through torch.library): the plugin must not
-# replace it, and keeps the Python key.
+# replace it, and switches donation off.
 _TAKEN = """
+import warnings
 import torch
 lib = torch.library.Library("_", "IMPL")
 lib.fallback(lambda *args, **kwargs: None, dispatch_key="TESTING_ONLY_GenericWrapper")
-""" + _SWITCHED_OFF
+import torch_xla
+import torch_xla_donate as tdx
+from torch_xla_donate._base import guards
+dev = torch_xla.device()
+x = torch.arange(8.0, device=dev) + 0
+torch_xla.sync()
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    tdx.donate_buffer(x)
+y = x * 2
+torch_xla.sync()
+print("WARNED:", [str(w.message) for w in caught if w.category is tdx.DonationDisabledWarning])
+print("KEPT:", x.cpu().tolist() == list(range(8)), y.cpu().tolist() == [2.0 * i for i in range(8)])
+print("STATE:", guards.state("poisoning"))
+"""
 
 
-@pytest.mark.parametrize("setup", ["TORCH_XLA_DONATE_NATIVE_POISON=0", "a key already taken"])
-def test_without_the_key_poisoning_keeps_the_python_key(setup):
-    if setup == "a key already taken":
-        out = run_python(_TAKEN).stdout
-        why = "its dispatch key already has a fallback"
-    else:
-        out = run_python(_SWITCHED_OFF, env={"TORCH_XLA_DONATE_NATIVE_POISON": "0"}).stdout
-        why = "TORCH_XLA_DONATE_NATIVE_POISON=0"
-    assert "REFUSED" in out.splitlines(), out
-    assert "INNER: DonatedTensor" in out, out
-    assert f"STATE: Python dispatch key ({why})" in out, out
+def test_a_key_someone_else_took_switches_donation_off():
+    out = run_python(_TAKEN).stdout
+    why = "its dispatch key already has a fallback"
+    assert "KEPT: True True" in out, out
+    assert f"STATE: off ({why})" in out, out
+    assert f"poisoning's dispatch key: {why}" in out and "Please report" in out

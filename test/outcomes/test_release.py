@@ -106,13 +106,12 @@ def test_a_poisoned_donor_dies_when_the_loop_drops_it(dev, fate):
 
 
 @pytest.mark.parametrize("wait", ["sync(wait=False)", "step_block"])
-def test_a_held_donor_costs_the_collector_no_object_of_the_ledgers(dev, wait, poison_path):
+def test_a_held_donor_costs_the_collector_no_object_of_the_ledgers(dev, wait):
     """A held donor is kept for its verdict (in flight: a step not waited
     for) weakly, in c10's own count on its TensorImpl: no Python weak
     reference, and entries are out of the collector's sight.  Across the
     barrier the collector counts the step's new tensors, nothing of the
-    ledger's, and with the Python poison key the one object poisoning makes
-    per donor (the inner tensor's; the native key makes none).
+    ledger's, and nothing of poisoning's.
     (A Python weak reference per donor, tracked or not, counted towards the
     collector's threshold: with it ``bench_async.py``'s held loop of 400
     donors crossed it every step, where raw donation never does.)"""
@@ -138,10 +137,8 @@ def test_a_held_donor_costs_the_collector_no_object_of_the_ledgers(dev, wait, po
     assert all(type(o) is not torch.Tensor for o in old), "held through the barrier: poisoned"
     assert not any(weakref.getweakrefs(o) for o in old)
     assert not any(gc.is_tracked(e) for e in verdicts._in_flight)
-    # A few objects of the commit's, and one inner tensor per donor with the
-    # Python key.
-    inner = n if poison_path == "python" else 0
-    assert inner <= grew - plain_grew < inner + n // 2, (grew, plain_grew)
+    # A few objects of the commit's, none per donor.
+    assert 0 <= grew - plain_grew < n // 2, (grew, plain_grew)
     # Kept weakly, the entry still does its work: the tensor, then None.
     (entry,) = [e for e in verdicts._in_flight if e[0] is old[0]]
     del old
@@ -151,8 +148,8 @@ def test_a_held_donor_costs_the_collector_no_object_of_the_ledgers(dev, wait, po
 
 
 @pytest.mark.parametrize("wait", ["sync", "sync(wait=False)"])
-def test_a_poisoned_donor_in_a_reference_cycle_goes_when_the_collector_frees_it(
-        dev, reads_path, wait):
+@pytest.mark.usefixtures("native_reads")
+def test_a_poisoned_donor_in_a_reference_cycle_goes_when_the_collector_frees_it(dev, wait):
     """A held donor the user keeps in a reference cycle lives, poisoned,
     as long as the cycle, as any tensor in one does; once the collector
     frees the cycle its torch_xla tensor is gone by the next barrier, on
@@ -221,8 +218,8 @@ def test_a_held_unused_donor_gets_its_value_back_and_can_be_donated_again(dev, s
 
 
 @pytest.mark.parametrize("wait", ["sync", "sync(wait=False)"])
-def test_dropped_poisoned_donors_are_gone_before_the_next_barrier_walks(dev, reads_path, wait,
-                                                                        monkeypatch):
+@pytest.mark.usefixtures("native_reads")
+def test_dropped_poisoned_donors_are_gone_before_the_next_barrier_walks(dev, wait, monkeypatch):
     """The loop holds its old state through each barrier, then drops it.
     Poisoning a functional donor made a Python object for the tensor it
     wraps, which its entry keeps (so that it dies with the GIL held rather
@@ -230,10 +227,6 @@ def test_dropped_poisoned_donors_are_gone_before_the_next_barrier_walks(dev, rea
     next barrier lets go of it first: neither that barrier's walk for copies
     nor torch_xla's own walk meets the old step's tensors.  The number of
     live XLA tensors as each barrier begins is the same every step.
-
-    With ``_XLAC`` reads no buffer can be kept without its tensor: an entry
-    keeps its poisoned donor until the verdict, which a step not waited for
-    gets at the next barrier, after its walk.
 
     The count is the whole process's: an earlier test's poisoned tensor left
     in a reference cycle would leave it when the collector happens to run
@@ -265,7 +258,6 @@ def test_dropped_poisoned_donors_are_gone_before_the_next_barrier_walks(dev, rea
             assert all(type(o) is not torch.Tensor for o in old), "held through the barrier"
             del old
         tdx.settle()
-    kept = n if reads_path == "xlac" and wait != "sync" else 0
-    assert live_at_commit == [live_at_commit[0]] + [live_at_commit[0] + kept] * 3, live_at_commit
+    assert live_at_commit == [live_at_commit[0]] * 4, live_at_commit
     assert [p.cpu().tolist() for p in state] == [[i * 16.0 + 15] * 8 for i in range(n)]
     assert _C.totals()["reused"] - reused == 4 * n

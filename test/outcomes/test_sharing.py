@@ -2,12 +2,9 @@
 donation never destroys a tensor that was not donated.
 
 torch_xla backs some copies with their source's device buffer, also after a
-barrier; donating either side would destroy the other.  With native reads
-both sides are seen from the buffer's holder count, and a copy made from a
-marked tensor in the same step by the walk of torch_xla's live tensors; on
-the ``_XLAC`` path every donor's buffer is compared with those of all live
-tensors at every barrier that donates.  Each test runs on both reader paths
-(the ``reads_path`` fixture).
+barrier; donating either side would destroy the other.  Both sides are seen
+from the buffer's holder count, and a copy made from a marked tensor in the
+same step by the walk of torch_xla's live tensors.
 Each case checks the ground truth: the other tensor keeps its value, and
 the donation is dropped with a warning that names it and says what to do.
 """
@@ -37,7 +34,8 @@ def _donate_and_step(t):
 
 
 @pytest.mark.parametrize("copy", list(COPIES))
-def test_the_source_of_a_copy_holding_its_buffer_is_not_donated(dev, copy, reads_path):
+@pytest.mark.usefixtures("native_reads")
+def test_the_source_of_a_copy_holding_its_buffer_is_not_donated(dev, copy):
     w = materialize(torch.randn(8, 8, device=dev))
     c = COPIES[copy](w)
     torch_xla.sync()  # the copy takes w's buffer as its own
@@ -52,7 +50,8 @@ def test_the_source_of_a_copy_holding_its_buffer_is_not_donated(dev, copy, reads
     assert tdx.last_step_report().dropped == 1
 
 
-def test_a_target_network_copied_with_load_state_dict_is_named_and_kept(dev, reads_path):
+@pytest.mark.usefixtures("native_reads")
+def test_a_target_network_copied_with_load_state_dict_is_named_and_kept(dev):
     """A DQN target network (or an EMA copy): the policy network's update
     donates its parameters, the target keeps its copy."""
     policy = torch.nn.Linear(8, 8).to(dev)
@@ -74,10 +73,11 @@ def test_a_target_network_copied_with_load_state_dict_is_named_and_kept(dev, rea
     assert [t.cpu().shape for t in new] == [(8, 8), (8,)]
 
 
-def test_a_source_whose_copy_is_gone_is_donated(dev, monkeypatch, reads_path):
+@pytest.mark.usefixtures("native_reads")
+def test_a_source_whose_copy_is_gone_is_donated(dev, monkeypatch):
     """The copy died: nothing else holds the buffer, so the donation goes
     ahead.  Native reads see it from the buffer's count, without looking for
-    holders; the ``_XLAC`` path searches at every barrier that donates."""
+    holders."""
     w = materialize(torch.randn(8, 8, device=dev))
     c = COPIES["copy_"](w)
     torch_xla.sync()
@@ -86,8 +86,7 @@ def test_a_source_whose_copy_is_gone_is_donated(dev, monkeypatch, reads_path):
     real = sharing.live_sharers
     monkeypatch.setattr(sharing, "live_sharers", lambda *a: looks.append(1) or real(*a))
     new, dropped = _donate_and_step(w)
-    looked = [1] if reads_path == "xlac" else []
-    assert tdx.is_deleted(w) and not dropped and looks == looked
+    assert tdx.is_deleted(w) and not dropped and not looks
     # Undonated twice in a row (no output can take it): still one look.
     v = materialize(torch.randn(8, 8, device=dev))
     c = COPIES["copy_"](v)
@@ -101,11 +100,12 @@ def test_a_source_whose_copy_is_gone_is_donated(dev, monkeypatch, reads_path):
             torch_xla.sync()
             tdx.settle()
         assert tdx.summary().totals.unused == before + 1 and not tdx.is_deleted(v)
-    assert looks == looked * 3
+    assert not looks
 
 
 @pytest.mark.parametrize("case", ["the copy", "a copy made after marking"])
-def test_the_copy_and_a_copy_made_after_marking_are_seen(dev, case, reads_path):
+@pytest.mark.usefixtures("native_reads")
+def test_the_copy_and_a_copy_made_after_marking_are_seen(dev, case):
     w = materialize(torch.randn(8, 8, device=dev))
     if case == "the copy":
         c = COPIES["copy_"](w)
@@ -130,14 +130,16 @@ def test_the_copy_and_a_copy_made_after_marking_are_seen(dev, case, reads_path):
     assert torch.equal(new.cpu(), value * 2)
 
 
-def test_what_nothing_shares_is_donated(dev, reads_path):
+@pytest.mark.usefixtures("native_reads")
+def test_what_nothing_shares_is_donated(dev):
     p = materialize(torch.randn(8, 8, device=dev))
     other = materialize(torch.randn(8, 8, device=dev))
     new, dropped = _donate_and_step(p)
     assert tdx.is_deleted(p) and not dropped and not tdx.is_deleted(other)
 
 
-def test_donors_of_one_step_may_share_a_buffer(dev, reads_path):
+@pytest.mark.usefixtures("native_reads")
+def test_donors_of_one_step_may_share_a_buffer(dev):
     """Both sides donated together: nobody else holds the buffer, so it is
     donated and both are poisoned."""
     w = materialize(torch.randn(8, 8, device=dev))
@@ -149,63 +151,3 @@ def test_donors_of_one_step_may_share_a_buffer(dev, reads_path):
     tdx.settle()
     assert tdx.is_deleted(w) and tdx.is_deleted(c)
     assert new.shape == (8, 8)
-
-
-# -- The owner query's native twin ------------------------------------------
-
-
-@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
-@pytest.mark.parametrize("slice_", [1, 3, 50])
-@pytest.mark.parametrize("form", ["this release", "2.7 form"])
-def test_owner_suspects_name_every_copy_source_and_nothing_else(dev, native, slice_, form,
-                                                               monkeypatch):
-    """Each kind of copy, among tensors that hold their own buffers and one
-    uploaded that no graph read, across slice boundaries: the sources of
-    copies are the suspects, under their copy's id, in both twins.  The 2.7
-    form of torch_xla's query (no tensors handed back uncloned: ids compared)
-    runs on every release."""
-    from torch_xla_donate._base import xla
-
-    monkeypatch.setattr(xla, "OWNER_QUERY_SLICE", slice_)
-    if form == "2.7 form":
-        monkeypatch.setattr(xla, "_DATA_NODES_TAKE_UNCLONED", False)
-    own = [materialize(torch.randn(8, 8, device=dev)) for _ in range(7)]
-    uploaded = torch.randn(8, 8).to(dev)
-    sources = [materialize(torch.randn(8, 8, device=dev)) for _ in COPIES]
-    copies = [copy(w) for copy, w in zip(COPIES.values(), sources)]
-    torch_xla.sync()
-    tensors = own[:3] + [sources[0], uploaded] + own[3:] + sources[1:]
-    got = xla.owner_suspects(tensors, native=native)
-    want = [(i, xla.tensor_id(c)) for i, w in enumerate(tensors) for s, c in zip(sources, copies)
-            if w is s]
-    assert got == want
-
-
-@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
-def test_owner_suspects_cannot_tell_which_of_a_shared_pair_owns_it(dev, native, monkeypatch):
-    """A source and its copy in one query: torch_xla lists their buffer once,
-    so the query says nothing about that slice (every tensor of it is a
-    suspect with owner None) and still answers for the other slices."""
-    from torch_xla_donate._base import xla
-
-    monkeypatch.setattr(xla, "OWNER_QUERY_SLICE", 3)
-    w = materialize(torch.randn(8, 8, device=dev))
-    c = COPIES["to(copy=True)"](w)
-    others = [materialize(torch.randn(8, 8, device=dev)) for _ in range(4)]
-    torch_xla.sync()
-    got = xla.owner_suspects([others[0], w, c] + others[1:], native=native)
-    assert got == [(0, None), (1, None), (2, None)]
-
-
-def test_owner_suspects_twins_agree_on_a_long_list(dev):
-    """The shipped slice size, several slices, a few sources: the twins give
-    the same list."""
-    from torch_xla_donate._base import xla
-
-    ts = [materialize(torch.randn(4, device=dev)) for _ in range(3 * xla.OWNER_QUERY_SLICE + 7)]
-    copies = [COPIES["copy_"](ts[i]) for i in (0, xla.OWNER_QUERY_SLICE, len(ts) - 1)]
-    torch_xla.sync()
-    native = xla.owner_suspects(ts)
-    assert native == xla.owner_suspects(ts, native=False)
-    assert [i for i, _ in native] == [0, xla.OWNER_QUERY_SLICE, len(ts) - 1]
-    assert [o for _, o in native] == [xla.tensor_id(c) for c in copies]

@@ -14,16 +14,15 @@ from helpers import buffer_ptr, materialize, run_python
 import torch_xla_donate as tdx
 import torch_xla_donate._outcomes.verdicts
 from torch_xla_donate import _C
-from torch_xla_donate._base import reads as _reads
+from torch_xla_donate._base import guards as _guards
 from torch_xla_donate._base import xla as _xla
 from torch_xla_donate._outcomes import unused
 
 
 def test_async_loop_never_blocks_and_every_verdict_is_right(dev, monkeypatch):
     state = materialize(torch.zeros(128, 128, device=dev))
-    # The reads' self-test (a first read in this process) waits for the
-    # device: decided before the waits are counted.
-    assert _reads.decide_on(state)
+    # The guards decided before the waits are counted (they wait for nothing).
+    assert _guards.decide(state)
     waits = []
     real_wait = _xla.wait_device_ops
     monkeypatch.setattr(_xla, "wait_device_ops", lambda: (waits.append(1), real_wait()))
@@ -105,8 +104,8 @@ LEADS = {
 
 
 @pytest.mark.parametrize("lead", list(LEADS))
-def test_the_next_commit_clears_only_flags_a_tensor_still_leads_to(dev, lead, reads_path,
-                                                                   monkeypatch):
+@pytest.mark.usefixtures("native_reads")
+def test_the_next_commit_clears_only_flags_a_tensor_still_leads_to(dev, lead, monkeypatch):
     x, y = materialize(torch.arange(3.0, device=dev), torch.ones(3, device=dev))
     tdx.donate_buffer(x)
     z = y + 1
@@ -115,17 +114,14 @@ def test_the_next_commit_clears_only_flags_a_tensor_still_leads_to(dev, lead, re
     torch_xla.sync(wait=False)
     if lead.startswith("nobody (the old"):
         del x
-    elif LEADS[lead] and reads_path == "xlac":
-        # The entry keeps the tensor itself: its commit cleared the flag.
-        assert not torch_xla._XLAC._get_buffer_donation(torch._from_functional_tensor(x))
     spy = _DisarmSpy(_C)
     monkeypatch.setattr(torch_xla_donate._outcomes.verdicts, "C", spy)
     with pytest.warns(tdx.UnusedDonationWarning, match=r"f32\[3\]"):
         torch_xla.sync(wait=False)  # clears flags, builds its graph, then settles
     # A buffer nothing leads to is in no graph: no torch_xla call for it
     # before the graph; the verdict that keeps the value clears it after.
-    assert bool(spy.entries) == (LEADS[lead] and reads_path == "native"), spy.entries
-    assert len(spy.records) == (reads_path == "native")
+    assert bool(spy.entries) == LEADS[lead], spy.entries
+    assert len(spy.records) == 1
     if LEADS[lead]:
         assert type(x) is torch.Tensor and x.cpu().tolist() == [0.0, 1.0, 2.0]
         assert not torch_xla._XLAC._get_buffer_donation(x)
@@ -321,8 +317,8 @@ def test_the_memory_is_bounded_and_forget_empties_it(monkeypatch):
 @pytest.mark.parametrize("donor_is", ["t1", "t2"])
 @pytest.mark.parametrize("wait", ["sync", "sync(wait=False)"])
 @pytest.mark.parametrize("fate", ["reused", "unused"])
-def test_swap_tensors_moves_the_poison_with_the_value(dev, reads_path, poison_path, fate, wait,
-                                                     donor_is):
+@pytest.mark.usefixtures("native_reads")
+def test_swap_tensors_moves_the_poison_with_the_value(dev, fate, wait, donor_is):
     """``torch.utils.swap_tensors`` with a donated tensor, its verdict known
     or still in flight, on either side: the tensor that holds the donated
     value afterwards is the poisoned one (or, the donation unused, a plain
@@ -351,7 +347,8 @@ def test_swap_tensors_moves_the_poison_with_the_value(dev, reads_path, poison_pa
     assert not torch_xla_donate._outcomes.verdicts._in_flight
 
 
-def test_a_module_conversion_that_swaps_parameters_after_an_unused_donation(dev, reads_path):
+@pytest.mark.usefixtures("native_reads")
+def test_a_module_conversion_that_swaps_parameters_after_an_unused_donation(dev):
     """With ``set_swap_module_params_on_conversion(True)`` a module's
     conversion swaps each parameter with its converted copy.  After a step
     not waited for whose donations of those parameters went unused, the

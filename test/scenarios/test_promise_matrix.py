@@ -369,19 +369,9 @@ HOLDERS = {
        for kind in _COPY_KINDS for when in ("before", "after")},
     **({} if SPMD else {"copy_ into an older tensor": _copied_into_an_older_tensor}),
 }
-# Holders only C++ keeps: the _XLAC path's Python search cannot see them.
-CPP_ONLY = {"copy held by autograd"}
-# Both reader paths, on every release, under SPMD too: there the ``_XLAC``
-# path's Python search first waits for the device (torch_xla crashes asking
-# about a sharded buffer still computing; sharing.py).
-READS_PATHS = ["native", "xlac"]
-
-
-@pytest.mark.parametrize(("holder", "reads_path"),
-                         [(h, r) for h in HOLDERS for r in READS_PATHS
-                          if not (r == "xlac" and h in CPP_ONLY)],
-                         indirect=["reads_path"])
-def test_a_buffer_another_tensor_holds_is_never_donated(context, dev, holder, reads_path):
+@pytest.mark.parametrize("holder", HOLDERS)
+@pytest.mark.usefixtures("native_reads")
+def test_a_buffer_another_tensor_holds_is_never_donated(context, dev, holder):
     p, g, x = _state(dev)
     donor, other_kept = HOLDERS[holder](p)
     value = donor.cpu()

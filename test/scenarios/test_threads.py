@@ -100,7 +100,7 @@ def test_native_fast_path_declines_while_the_hook_lock_is_held(dev):
     assert _C.lock_holders() == 0
     with lock_module.lock:
         assert _C.lock_holders() == 1
-        assert not _C.try_mark(t, 1) and not tdx.is_donated(t)
+        assert _C.try_mark(t) == _C.Refusal.COMMITTING and not tdx.is_donated(t)
         tdx.donate_buffer(t)  # the Python path, re-entering the lock
         assert tdx.is_donated(t)
     assert _C.lock_holders() == 0

@@ -9,27 +9,16 @@ import torch
 import torch_xla
 import torch_xla.runtime
 
-from .dtypes import xla_dtype_name
-from .native import C
-
 _XLAC = torch_xla._XLAC
 
 # torch_xla's own functions, taken before the plugin puts its trampolines in
 # their place (_hooks/executions.py): what the plugin itself calls.  (The
 # benchmarks put a timed wrapper here to time the real barrier.)
-# torch_xla's functions that give an XLA tensor a new value in place,
-# bypassing functionalization: no new torch_xla id, no new version.
-INPLACE_FUNCTIONS = ("_xla_optimization_barrier_", "_xla_all_reduce_inplace",
-                     "_xla_all_gather_out", "_xla_reduce_scatter_out",
-                     "_xla_all_gather_coalesced_out", "_xla_reduce_scatter_coalesced_out",
-                     "_xla_sgd_optimizer_step_", "_xla_adam_optimizer_step_",
-                     "_replace_xla_tensor")
-
 REAL = {
     name: getattr(_XLAC, name)
     for name in ("_set_buffer_donation", "_xla_step_marker", "_xla_sync_multi",
                  "_xla_sync_live_tensors", "_xla_wait_device_ops", "_get_graph_hash",
-                 "_xla_warm_up_cache") + INPLACE_FUNCTIONS
+                 "_xla_warm_up_cache")
     if hasattr(_XLAC, name)
 }
 
@@ -81,75 +70,6 @@ def buffer_handles(tensors) -> list:
     (torch_xla backs copies made by ``copy_``, ``load_state_dict``,
     ``t.to(device, copy=True)``, ... with their source's buffer)."""
     return _XLAC._get_tensors_handle(list(tensors))
-
-
-def buffer_owner_ids(tensors) -> list:
-    """For each tensor without pending IR: the tensor id torch_xla files its
-    buffer under (the last tensor that took the buffer as its own; a copy
-    taking its source's buffer at a barrier becomes its owner), or
-    ``NO_OWNER`` for a buffer uploaded from the host that no graph has read.
-    Two tensors sharing a buffer give one entry: the list can be shorter."""
-    tensors = list(tensors)
-    if _DATA_NODES_TAKE_UNCLONED:  # torch_xla 2.8+: no new tensor for these
-        return _XLAC._get_tensors_xla_device_data_node(tensors, tensors)[0]
-    return _XLAC._get_tensors_xla_device_data_node(tensors)[0]
-
-
-def owner_suspects(tensors, native: bool = True) -> list:
-    """``[(index, owner_id)]`` of the ``tensors`` (none with pending IR)
-    whose buffer torch_xla files under another tensor id; ``owner_id`` is
-    None where torch_xla's answer does not say (some tensors of one query
-    share a buffer, which it lists once).  A buffer filed under the tensor's
-    own id, or under nobody (uploaded, no graph read it), is no suspect.
-
-    The tricky case: a copy that took its source's buffer at a barrier
-    (``load_state_dict``, ``copy_``, ``t.to(device, copy=True)``) becomes the
-    buffer's owner, so the *source* is a suspect here, its copy alive or not.
-
-    Asked in slices of ``OWNER_QUERY_SLICE``: torch_xla's cost per tensor of
-    one query grows with its length.  ``native=False`` runs the Python twin
-    of ``C.owner_suspects`` (the tests keep the two in step).
-
-    >>> owner_suspects([])
-    []
-    """
-    tensors = list(tensors)
-    query = _XLAC._get_tensors_xla_device_data_node
-    if native:
-        return C.owner_suspects(query, tensors, OWNER_QUERY_SLICE, NO_OWNER,
-                                _DATA_NODES_TAKE_UNCLONED)
-    out = []
-    for start in range(0, len(tensors), OWNER_QUERY_SLICE):
-        part = tensors[start:start + OWNER_QUERY_SLICE]
-        if _DATA_NODES_TAKE_UNCLONED:
-            # torch_xla hands back the very tensor passed for a buffer filed
-            # under its id: an identity test, no id query per tensor.
-            ids, held = query(part, part)
-            own = [h is t for t, h in zip(part, held)] if len(ids) == len(part) else None
-        else:
-            ids = query(part)[0]
-            own = [o == tensor_id(t) for t, o in zip(part, ids)] if len(ids) == len(part) else None
-        if own is None:
-            out += [(start + j, None) for j in range(len(part))]
-        else:
-            out += [(start + j, o) for j, (o, mine) in enumerate(zip(ids, own))
-                    if not mine and o != NO_OWNER]
-    return out
-
-
-# Measured 2026-11-24 (benchmarks/bench_sharing.py --slices, results/
-# sharing_slices.md): torch_xla's query costs 0.61 µs per tensor in slices of
-# 50 against 0.81 in slices of 500 at 1,000 tensors, 1.67 against 2.38 at
-# 10,000; smaller slices cost more again.
-OWNER_QUERY_SLICE = 50
-
-
-# torch_xla 2.7's _get_tensors_xla_device_data_node takes the output tensors
-# only; 2.8 added the list of tensors to hand back uncloned.
-_DATA_NODES_TAKE_UNCLONED = "uncloned" in (_XLAC._get_tensors_xla_device_data_node.__doc__ or "")
-
-
-NO_OWNER = _XLAC._get_seed_info_id()
 
 
 def live_tensor_count() -> int:
@@ -265,22 +185,11 @@ def increment_counter(name: str, value: int) -> bool:
     return True
 
 
-def _dtype_info(dtype: torch.dtype):
-    return xla_dtype_name(dtype), dtype.itemsize
-
-
-# The native hot path (``C.donate_buffer``, ``C.try_mark`` and the step
-# hook's batch helpers in csrc/) asks torch_xla the questions above through
-# these very functions: when one of them changes, this is still the one
-# place to adapt.  The package's install step hands them over with the other
-# layers' (``C.bind``, _hooks/install.py).
+# What the native commit calls of torch_xla's and torch's: the package's
+# install step hands them over with the other layers' (``C.bind``,
+# _hooks/install.py).
 NATIVE_HOOKS = dict(
     tensor_type=torch.Tensor,
-    fast_types=(torch.Tensor, torch.nn.Parameter),
     set_donor=REAL["_set_buffer_donation"],
-    buffer_deleted=_XLAC._is_placecholder,
-    need_materialization=_XLAC._check_tensor_need_materialization,
     storage_use_count=torch._C._storage_Use_Count,  # of t.untyped_storage()._cdata
-    dtype_info=_dtype_info,
-    tensor_id=_XLAC._xla_get_tensor_id,
 )

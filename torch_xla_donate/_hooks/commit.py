@@ -89,12 +89,12 @@ donation settled.
 """
 import sys
 
-from .._base import arena, config, fast_path, reads, xla
+from .._base import arena, guards, reads, switches, xla
 from .._base.errors import DroppedDonationWarning
 from .._base.lock import lock
 from .._base.messages import Notices
 from .._base.native import C
-from .._outcomes import auto, failures, ownership, poison_key, sharing, verdicts
+from .._outcomes import auto, failures, ownership, sharing, verdicts
 from .._outcomes import devices as _devices
 
 __all__ = ["barrier_before", "barrier_after", "begin", "decide", "undecided", "split", "arm",
@@ -106,14 +106,11 @@ class _Commit:
     donors whose flags are armed, and the warnings held back until the
     commit is whole (messages.Notices)."""
 
-    __slots__ = ("device", "step", "donors", "wait", "notices", "inplace_calls", "auto")
+    __slots__ = ("device", "step", "donors", "wait", "notices", "auto")
 
     def __init__(self, device, step, donors, wait, notices):
         self.device, self.step, self.donors, self.wait = device, step, donors, wait
         self.notices = notices
-        # torch_xla's in-place functions run so far: this barrier syncs what
-        # they left pending (marking's fast path stops asking once it ran).
-        self.inplace_calls = C.inplace_calls()
         self.auto = None  # dead inputs armed with the donors (_outcomes/auto.py)
 
 
@@ -136,7 +133,7 @@ def barrier_before(device="", devices=(), wait=True, reset_scope=True, *, commit
         auto.prepare()  # once, outside the lock: the reads' self-test runs graphs
     lock.acquire()
     try:
-        fast_path.refresh()
+        switches.refresh()
         here = _devices.barrier_device(device)
         verdicts.disarm_in_flight(here)  # before this execution arms anything
         if not commits:
@@ -178,7 +175,7 @@ def _begin_fast(device, abandon):
     must decide.  The pass needs what ``sharing.screen`` reads natively (the
     walk in use) and one device; a switch that refuses every donor
     (DISABLED, STEP_FAILED) is the stages' to apply."""
-    if abandon or not config.enabled() or xla.local_device_count() != 1 or not arena.in_use():
+    if abandon or not switches.on() or xla.local_device_count() != 1 or not arena.in_use():
         return (*begin(device=device), None)
     return C.commit_fast()
 
@@ -203,8 +200,11 @@ def decide(tensors, records, notices, abandon=False) -> list:
     execution that takes it, a step barrier or a compiled call alike:
     DISABLED, value kept.
     """
+    if tensors:  # the guards, once (no graph of their own): one that fails switches donation off
+        guards.decide(tensors[0])
+        switches.refresh()
     donors = split(tensors, records, notices)
-    if donors and not config.enabled():
+    if donors and not switches.on():
         verdicts.abandon(donors, C.Verdict.DISABLED)  # switched off after marking
         return []
     if donors and abandon:
@@ -245,9 +245,6 @@ def barrier_after(token, result, error):
         if error is not None:
             fail(token.donors, token.auto)
             return result
-        _devices.note_barrier(token.device)
-        if xla.local_device_count() == 1:
-            C.barrier_passed(token.inplace_calls)
         _devices.dispatched(token.device, token.step if token.wait else token.step - 1)
         finish(token.device, token.donors, token.notices, certain=token.wait)
         auto.after_graph(token.auto)
@@ -301,8 +298,6 @@ def finish(device, donors, notices, certain: bool) -> None:
     (the step's results are intact; operators on the tensor still raise
     ``DonatedBufferError``, which the tensor torch_xla computes with carries).
     """
-    if donors:
-        poison_key.decide_key(device)  # once: how poisoning refuses operators
     failed = C.disarm_and_poison(donors, release=xla.local_device_count() == 1)
     if failed:
         notices.fail(_unpoisoned_error(failed))

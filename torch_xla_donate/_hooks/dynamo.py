@@ -55,13 +55,12 @@ import contextlib
 import copy
 import threading
 
-from .._base import config, switches, xla, xla_cpu
-from .._base.dtypes import xla_dtype_name
+from .._base import switches, xla, xla_cpu
 from .._base.lock import lock
 from .._base.messages import Notices
-from .._base.native import C, Via
+from .._base.native import C
 from .._base.sites import user_site
-from .._marking import graph_ops, marks
+from .._marking import graph_ops
 from .._outcomes import poison, verdicts
 from . import commit, executions
 
@@ -99,7 +98,7 @@ class _CompiledGraph:
         decide (``_begin_and_decide``), arm (``_arming``), then finish or
         fail."""
         poison.refuse_consumed(args)
-        on = config.enabled() and xla.aliasing_enabled()
+        on = switches.on()
         # The marks the call takes: its arguments' but those autograd will
         # need and those the graph only marks (each waits for the execution
         # that reads it).  Switched off, commit.decide refuses them.
@@ -223,13 +222,12 @@ def _carry(tensors) -> None:
             if not C.is_marked(t):
                 # With its version, as eager marks: an in-place update before
                 # the execution that takes it makes it an output, no donor.
-                _mark_graph_op(t, where, marks.mark_version(t))
+                _mark_graph_op(t, where, with_version=True)
 
 
-def _mark_graph_op(t, where, version=-1) -> None:
-    file, line = where
-    C.mark(t, file, line, tuple(t.shape), xla_dtype_name(t.dtype), t.nbytes, Via.GRAPH_OP,
-           version)
+def _mark_graph_op(t, where, with_version=False) -> None:
+    poison.check_poisonable(t)  # its twin class, for the poisoning after the call
+    C.mark_graph_op(t, where, with_version)
 
 
 class _arming:

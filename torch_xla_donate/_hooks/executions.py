@@ -189,22 +189,6 @@ def _compile(f=None, full_graph=False, name=None, max_different_graphs=None):
 
 # -- Installing -----------------------------------------------------------------
 
-# -- torch_xla's own in-place functions ---------------------------------------
-#
-# They give an XLA tensor a pending value without a new torch_xla id or a new
-# version (they bypass functionalization), so marking's fast path asks
-# torch_xla whether a tensor is pending again after one ran, until the next
-# barrier has synced it (csrc/marking/marking.cpp).
-
-def _inplace_before(*args, **kwargs):
-    C.note_inplace_xlac()
-    return C.PASS
-
-
-def _never_after(token, result, error):
-    return result  # not reached: the before-half passes
-
-
 _real_compile = None
 # (name of the _XLAC function, before, after) of every trampoline.
 _TRAMPOLINES = (
@@ -212,7 +196,7 @@ _TRAMPOLINES = (
     ("_xla_sync_multi", commit.flush_before, commit.flush_after),
     ("_xla_sync_live_tensors", commit.flush_before, commit.flush_after),
     ("_xla_wait_device_ops", failures.wait_before, failures.wait_after),
-) + tuple((name, _inplace_before, _never_after) for name in xla.INPLACE_FUNCTIONS)
+)
 
 
 def install(extra=()) -> None:

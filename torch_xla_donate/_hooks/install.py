@@ -9,11 +9,10 @@ them out and cancels every mark: without the hooks nothing would commit
 them, and nothing may be left for torch_xla to find.
 
 Importing this module hands the native library, in one ``C.bind`` call,
-every Python callable it calls back (``bind_native``): this is the one
-writer of those bindings, as it may import every layer.  torch_xla's and
-torch's functions come from ``_base/xla``, the poisoned twin classes from
-``_outcomes/poison``, ``donate_buffer``'s Python half from
-``_marking/tensor``; each module says what it hands over in its
+what it needs of Python (``bind_native``): this is the one writer of those
+bindings, as it may import every layer.  torch_xla's and torch's functions
+come from ``_base/xla``, the poison's class and its dispatch callback from
+``_outcomes/poison``; each module says what it hands over in its
 ``NATIVE_HOOKS``.  Until then the native calls that need them raise
 (``hooks are not bound``); nothing calls them while the package imports.
 
@@ -21,10 +20,9 @@ torch's functions come from ``_base/xla``, the poisoned twin classes from
 >>> installed()
 True
 """
-from .._base import config, fast_path, xla
+from .._base import config, switches, xla
 from .._base.lock import lock
 from .._base.native import C
-from .._marking import tensor
 from .._outcomes import poison
 from . import dynamo, executions, gradient_accumulation, torchscript
 
@@ -33,9 +31,8 @@ __all__ = ["install", "uninstall", "installed", "bind_native"]
 
 def bind_native() -> None:
     """Hands the native library every callable it calls back, in one call
-    (once, at import; binding again replaces them, and forgets the native
-    cache of poisoned classes)."""
-    C.bind(**xla.NATIVE_HOOKS, **poison.NATIVE_HOOKS, **tensor.NATIVE_HOOKS)
+    (once, at import; binding again replaces them)."""
+    C.bind(**xla.NATIVE_HOOKS, **poison.NATIVE_HOOKS)
 
 
 bind_native()
@@ -48,9 +45,9 @@ def install() -> None:
         dynamo.install()
         torchscript.install()
         gradient_accumulation.install()
-        if fast_path.refresh not in config.changed_listeners:
-            config.changed_listeners.append(fast_path.refresh)
-        fast_path.hooks_in(True)
+        if switches.refresh not in config.changed_listeners:
+            config.changed_listeners.append(switches.refresh)
+        switches.hooks_in(True)
 
 
 def uninstall() -> None:
@@ -63,7 +60,7 @@ def uninstall() -> None:
         torchscript.uninstall()
         dynamo.uninstall()
         executions.uninstall()
-        fast_path.hooks_in(False)
+        switches.hooks_in(False)
 
 
 def installed() -> bool:

@@ -34,8 +34,11 @@ import torch
 from torch._dynamo.comptime import comptime
 from torch._dynamo.exc import TorchRuntimeError
 
-from . import checks
+from .._base.native import C
+from . import refusals
 from .walk import HOST_COUNTER, walk
+
+R = C.Refusal
 
 __all__ = ["donate_in_graph", "donate_trees_in_graph", "RefusedWhileTracing", "is_donor_op"]
 
@@ -69,7 +72,7 @@ def donate_in_graph(tensors) -> None:
 def donate_trees_in_graph(named_trees) -> int:
     """``donate`` of the ``(label, tree)`` pairs while dynamo traces it: one
     graph op per tensor the walk yields (walk.py: the same leaves, paths and
-    refusals as eager), but for 0-dim tensors, never donated (checks.SCALARS;
+    refusals as eager), but for 0-dim tensors, never donated (refusals.SCALARS;
     an optimizer's host counters are not even judged).  All or nothing:
     every tensor is judged before any op is emitted, and a refusal names
     the tensor's path as eager does.  Returns the number of tensors given an
@@ -100,17 +103,16 @@ def _judge(ctx) -> None:
     if not isinstance(fake, torch.Tensor):
         return
     path = ctx.get_local("path").as_python_constant()
-    message = None
-    if fake.device.type != "xla":
-        message = checks.not_on_xla(fake)
-    elif fake.dim() == 0 and path is None:
-        message = checks.zero_dim(fake)
-    elif fake._is_view():
-        message = checks.a_view(fake)
-    elif var.as_proxy().node.op not in ("placeholder", "get_attr"):
-        message = checks.pending(fake)
-    if message is None:
+    # The rules of metadata, native (csrc/marking/marking.cpp ClassifyMeta),
+    # on the fake tensor; a tree skips scalars.
+    refusal = R(C.classify_meta(fake))
+    if refusal == R.ZERO_DIM and path is not None:
+        refusal = R.NONE
+    if refusal == R.NONE and var.as_proxy().node.op not in ("placeholder", "get_attr"):
+        refusal = R.PENDING  # eager calls an intermediate pending; here it has no buffer either
+    if refusal == R.NONE:
         return
-    if path is not None:  # as trees._checked says it
+    message = refusals.message(fake, refusal)
+    if path is not None:  # as trees.py says it
         message = f"donate: cannot donate {path}, so no tensor of this call was marked. {message}"
     raise RefusedWhileTracing(message)

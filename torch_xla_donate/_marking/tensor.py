@@ -20,55 +20,48 @@ import sys
 
 import torch
 
-from .._base import xla
-from .._base.native import C
+from .._base.native import C, Via
 from .._outcomes import poison
 from . import graph_ops
-from .checks import check_tensor, zero_dim
-from .marks import mark_checked
+from .refusals import check_tensor, mark
 
 __all__ = ["donate_buffer", "is_donated", "is_deleted"]
 
 
-# The public function is native (csrc/marking/marking.cpp): the common case
-# is one call from the user's line, with no Python frame of ours.  Its
-# docstring is there; help(donate_buffer) shows it.
-donate_buffer = C.donate_buffer
+def donate_buffer(tensor: torch.Tensor) -> None:
+    """Donates ``tensor``'s device buffer to the outputs of the next step.
 
+    At the next step barrier the buffer may hold one of the step's outputs;
+    ``tensor`` is then poisoned and any use raises ``DonatedBufferError``.
+    If no output can take the buffer, the tensor keeps its value and an
+    ``UnusedDonationWarning`` says so.  Marking twice before a step counts
+    once.  Under ``torch.compile`` it is a graph op (no graph break): the
+    compiled graph donates the tensor.
 
-def donate_buffer_checked(tensor) -> None:
-    """``donate_buffer``'s Python half, called with the tensor when the
-    native fast path declines: anything unusual (a subclass, a view, pending
-    computation, a scalar, donation switched off, a commit running on
-    another thread) gets its precise error or warning here, or is marked.
+    Args:
+      tensor: a materialized XLA tensor of at least one dimension.
 
-    The tricky case: the native caller has no Python frame, so
-    ``sys._getframe(1)`` is the user's line, the one the record blames.
-
-    >>> donate_buffer_checked(torch.ones(2))
-    Traceback (most recent call last):
-    ...
-    ValueError: donate_buffer expects a tensor on an XLA device, got one on 'cpu'. ...
+    Raises:
+      TypeError: ``tensor`` is not a torch.Tensor (or cannot be poisoned).
+      ValueError: it is not on an XLA device, has pending computation (call
+        ``xm.mark_step()`` first), is a view or has live views/aliases, is
+        saved for backward by a live autograd graph, or is a 0-dim scalar.
+      DonatedBufferError: it was donated already.
     """
-    check_tensor("donate_buffer", tensor)
-    torch._check_value(
-        tensor.dim() > 0 or not xla.is_xla(tensor) or poison.is_poisoned(tensor),
-        lambda: zero_dim(tensor),
-    )
-    frame = sys._getframe(1)
-    mark_checked(tensor, (frame.f_code.co_filename, frame.f_lineno))
+    # One native call decides and marks (its rules: csrc/marking/marking.cpp
+    # Classify); a refusal is worded, or resolved, in refusals.py.
+    if C.try_mark(tensor):
+        check_tensor("donate_buffer", tensor)
+        frame = sys._getframe(1)
+        mark(tensor, (frame.f_code.co_filename, frame.f_lineno))
 
 
-# Where ``C.donate_buffer`` hands a tensor it declines: the package's install
-# step binds it (_hooks/install.py).
-NATIVE_HOOKS = dict(donate_buffer_checked=donate_buffer_checked)
-
-
-@torch.compiler.substitute_in_graph(C.donate_buffer)
-def _donate_buffer_in_graph(tensor) -> None:
-    """What dynamo traces for a ``donate_buffer`` call: a graph op, no
-    graph break (graph_ops.py)."""
+@torch.compiler.substitute_in_graph(C.try_mark, skip_signature_check=True)
+def _try_mark_in_graph(tensor, via=Via.DONATE_BUFFER, where=1, held_ok=False, locked=False) -> int:
+    """What dynamo traces for ``donate_buffer``'s mark: a graph op, no graph
+    break (graph_ops.py)."""
     graph_ops.donate_in_graph([tensor])
+    return 0
 
 
 def is_donated(tensor: torch.Tensor) -> bool:

@@ -51,21 +51,19 @@ Messages about the donation (unused buffers, use after donation) point at the
 line of user code that called ``donate`` (or a ``donating`` function), not at
 this module.
 """
-import warnings
 from typing import Any
 
 import torch
 
-from .._base import config, xla
+from .._base import switches
 from .._base.errors import DonatedBufferError
 from .._base.lock import lock
 from .._base.native import C, Via
-from .._base.sites import user_site, user_stacklevel
+from .._base.sites import user_site
 from .._outcomes import ownership, poison, report, unused
 from . import graph_ops
-from .checks import check_donatable
-from .marks import mark
-from .walk import BUFFER, HOST_COUNTER, TENSOR, walk
+from .refusals import mark
+from .walk import BUFFER, HOST_COUNTER, walk
 
 __all__ = ["donate", "undonate", "donate_named", "tensors_in"]
 
@@ -134,85 +132,57 @@ def donate_named(named_trees, where, via) -> int:
     in messages (``donating`` passes argument names, so an error reads
     ``params['w']``).  ``where`` is the (file, line) blamed for the marks,
     ``via`` the call messages name (``Via``).
+
+    The common case is one native call for every tensor
+    (``C.try_mark_all``); a refusal is found again path by path, so that
+    its error names the leaf.
     """
-    marked = _donate_plain(named_trees, where, via)
-    if marked >= 0:
-        return marked
-    with ownership.scanning():  # one look at the holders for the whole tree
-        return _donate_checked(named_trees, where, via)
+    leaves = _tensor_leaves(named_trees, paths=False)
+    tensors = [t for _, t, kind in leaves if kind != HOST_COUNTER]
+    refusal, count = C.try_mark_all(tensors, via, where)
+    if refusal:
+        return _donate_by_path(named_trees, where, via)
+    _noted(named_trees, leaves)
+    return count
 
 
-def _donate_checked(named_trees, where, via) -> int:
-    """``donate_named`` path by path: every error names its leaf."""
-    leaves, buffers, host_counters = _tensor_leaves(named_trees)
-    for path, tensor in leaves:
-        _checked(path, check_donatable, tensor)
-    if leaves and not (config.enabled() and xla.aliasing_enabled()):
-        _mark_while_switched_off(leaves, where, via)
-        return 0
-    # Checked: now mark.  A failure here is unexpected (torch_xla refusing a
-    # tensor that passed every check); undo this call's marks so that the
-    # promise "nothing marked" holds anyway.
+def _donate_by_path(named_trees, where, via) -> int:
+    """``donate_named`` path by path: every error names its leaf, and undoes
+    this call's marks."""
+    leaves = _tensor_leaves(named_trees, paths=True)
     newly_marked = []
     try:
-        for path, tensor in leaves:
-            already = C.is_marked(tensor)
-            _checked(path, mark, tensor, where, via)
-            if not already and C.is_marked(tensor):
-                newly_marked.append(tensor)
+        with ownership.scanning():  # one look at the holders for the whole tree
+            for path, tensor, kind in leaves:
+                if kind == HOST_COUNTER:
+                    continue
+                already = C.is_marked(tensor)
+                try:
+                    marked = mark(tensor, where, via, in_tree=True)
+                except (TypeError, ValueError, DonatedBufferError) as error:
+                    raise type(error)(f"donate: cannot donate {path}, so no tensor of this "
+                                      f"call was marked. {error}") from None
+                if marked and not already:
+                    newly_marked.append(tensor)
     except BaseException:
-        for tensor in newly_marked:
-            undonate(tensor)
+        with lock:
+            for tensor in newly_marked:
+                C.unmark(tensor)
         raise
-    # Only now that the call marked: a refused call leaves nothing behind.
-    unused.note_module_buffers(buffers)
-    report.note_skipped_on_cpu(host_counters)
-    return sum(1 for _, tensor in leaves if C.is_marked(tensor))
+    if not switches.on():
+        return 0
+    _noted(named_trees, leaves)
+    return sum(1 for _, t, kind in leaves if kind != HOST_COUNTER and C.is_marked(t))
 
 
-def _donate_plain(named_trees, where, via) -> int:
-    """The common case of ``donate_named`` in one native call; -1 if unusual.
-
-    Why: with thousands of tensors per step, building a path string and
-    running the checks one Python call at a time per leaf cost more than the
-    donation.  When every leaf is a plain tensor that can be donated (or is
-    marked already, or is a scalar, skipped as ever), ``C.try_mark_all``
-    marks them all at once.  Anything else (a module, an optimizer, a tensor
-    that must be refused, the switches off) returns -1 having marked nothing,
-    and the path-by-path route gives the precise, path-named error.
-    """
-    if not (config.enabled() and xla.aliasing_enabled()):
-        return -1
-    tensors = {}
-    for label, tree in named_trees:
-        for _, leaf, kind in walk(label, tree, paths=False):
-            if kind != TENSOR:
-                return -1
-            tensors[id(leaf)] = leaf
-    with lock:  # never in the middle of a commit; see marks.mark_checked
-        return C.try_mark_all(list(tensors.values()), where, via)
-
-
-def _mark_while_switched_off(leaves, where, via) -> None:
-    """Lets ``mark`` give its once-per-reason ``DonationDisabledWarning``, and
-    re-issues it at the user's line."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for path, tensor in leaves:
-            _checked(path, mark, tensor, where, via)
-    for warning in caught:
-        warnings.warn(warning.message, warning.category, stacklevel=user_stacklevel())
-
-
-def _checked(path, check, *args):
-    """Runs ``check``; re-raises its error with the tensor's path in front."""
-    try:
-        check(*args)
-    except (TypeError, ValueError, DonatedBufferError) as error:
-        raise type(error)(
-            f"donate: cannot donate {path}, so no tensor of this call was marked. "
-            f"{error}"
-        ) from None
+def _noted(named_trees, leaves) -> None:
+    """What a call that marked tells the reports: its module buffers (an
+    unused one is named by its path) and the host counters it left out."""
+    if any(kind == BUFFER for _, _, kind in leaves):
+        if leaves[0][0] is None:  # walked without paths: again, with them
+            leaves = _tensor_leaves(named_trees, paths=True)
+        unused.note_module_buffers([(p, t) for p, t, kind in leaves if kind == BUFFER])
+    report.note_skipped_on_cpu(sum(1 for *_, kind in leaves if kind == HOST_COUNTER))
 
 
 def tensors_in(named_trees, refuse=True, call="donate") -> list:
@@ -234,23 +204,16 @@ def tensors_in(named_trees, refuse=True, call="donate") -> list:
     return out
 
 
-def _tensor_leaves(named_trees):
-    """Every distinct tensor of the trees as ``(path, tensor)``, first path
-    wins; with the ``(path, tensor)`` of those that are module buffers, and
-    how many host-side optimizer counters were left out."""
-    seen, leaves, buffers, host_counters = set(), [], [], 0
+def _tensor_leaves(named_trees, paths):
+    """Every distinct tensor of the trees as ``(path, tensor, kind)``, the
+    first path winning (None without ``paths``)."""
+    seen, leaves = set(), []
     for label, tree in named_trees:
-        for path, tensor, kind in walk(label, tree):
-            if id(tensor) in seen:
-                continue
-            seen.add(id(tensor))
-            if kind == HOST_COUNTER:
-                host_counters += 1
-                continue
-            leaves.append((path, tensor))
-            if kind == BUFFER:
-                buffers.append((path, tensor))
-    return leaves, buffers, host_counters
+        for path, tensor, kind in walk(label, tree, paths=paths):
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                leaves.append((path, tensor, kind))
+    return leaves
 
 
 def _root_label(tree) -> str:

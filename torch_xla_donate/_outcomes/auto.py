@@ -41,8 +41,7 @@ device or at ``settle()``; until then this module holds the buffers (an
 unused one is freed one step later than without).
 
 Not available (a typed error from ``advise()``, a warning once with
-``auto=True``): without native reads (``TORCH_XLA_DONATE_NATIVE_READS=0``
-or their self-test failed), without the registry (a stripped ``_XLAC``),
+``auto=True``): with donation switched off by a guard (guards.py),
 under SPMD, or with more than one device per process.
 """
 import re
@@ -52,7 +51,7 @@ from typing import NamedTuple
 
 import torch
 
-from .._base import arena, config, reads, xla
+from .._base import arena, config, guards, switches, xla
 from .._base.errors import AutoDonationUnavailableError, AutoDonationUnavailableWarning
 from .._base.native import C
 
@@ -112,35 +111,29 @@ advisors = []    # the open ``advise()`` blocks (advice.py), innermost last
 def prepare(force: bool = False) -> None:
     """Outside any commit (a step barrier calls it before taking the lock,
     ``advise()`` on entry): decides the native reads and the registry walk
-    on a sample tensor of the plugin's own, once, if auto or an advisor is
-    on and nothing decided them yet.  The reads' self-test runs graphs of
-    its own, which must never happen inside a commit."""
+    on a sample tensor of the plugin's own (an upload: no graph), once, if
+    auto or an advisor is on and nothing decided them yet."""
     wanted = force or advisors or config.auto()
     if _state["prepared"] or not wanted or C.lock_holders() > 0:
         return
     _state["prepared"] = True
-    if not reads._env_allows():
-        return
     sample = torch.arange(4.0).to(xla.default_device())
-    xla.real("_xla_sync_multi")([sample], [], True, True)  # a buffer of its own
-    reads.decide_on(sample)
-    arena.decide_on([sample])
+    guards.decide(sample)
+    switches.refresh()
 
 
 def unavailable() -> str | None:
     """Why dead inputs cannot be found here, or None."""
-    if not reads._env_allows():
-        return f"native reads are off ({reads.ENV}=0)"
-    if not reads.decided():
+    if not guards.decided():
         return "native reads not decided yet"
-    if not reads.path().startswith("native"):
-        return f"native reads are off: {reads.path()}"
+    if guards.state("reads") != "native reads":
+        return f"native reads are off: {guards.state('reads')}"
     if xla.spmd():
         return "SPMD is on (sharded buffers are not looked at)"
     if xla.local_device_count() > 1:
         return "more than one device in this process"
     if not arena.in_use():
-        return f"torch_xla's live-tensor registry walk is {arena.state()}"
+        return f"torch_xla's live-tensor registry walk is {guards.state('walk')}"
     return None
 
 

@@ -16,8 +16,7 @@ import torch
 from .._base import xla
 from .._base.native import C
 
-__all__ = ["barrier_device", "split_by_device", "begin_step_on", "dispatched", "dispatched_through",
-           "note_barrier", "settled_id"]
+__all__ = ["barrier_device", "split_by_device", "begin_step_on", "dispatched", "dispatched_through"]
 
 
 def barrier_device(device: str):
@@ -56,25 +55,3 @@ def dispatched(device, step) -> None:
 
 def dispatched_through(device) -> int:
     return max(_dispatched_steps.get(device, 0), _dispatched_steps.get(None, 0))
-
-
-# The newest tensor id known to have its own buffer, per device: a barrier
-# gives every live tensor of its device a buffer of its own (copies still
-# sharing their source's take theirs then).  The native fast path marks only
-# tensors at most that old, and sends newer ones to ownership.owns_its_buffer.
-_settled_ids = {}
-
-
-def settled_id() -> int:
-    """The newest tensor id older than the last barrier of every device
-    (-1 until each device has had one)."""
-    every_device = _settled_ids and len(_settled_ids) >= xla.local_device_count()
-    return min(_settled_ids.values()) if every_device else -1
-
-
-def note_barrier(device) -> None:
-    """After a barrier of ``device``: every tensor older than now has its own
-    buffer there."""
-    probe = torch.empty(0, device=device)
-    _settled_ids[device] = xla.tensor_id(probe)
-    C.set_settled_ids(settled_id())

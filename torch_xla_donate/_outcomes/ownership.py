@@ -47,10 +47,9 @@ Buffers torch_xla shares between distinct tensors (copies made by
 c10's counts: a copy made since the last barrier is refused here
 (``owns_its_buffer``); sharing.py looks at the others at the commit.
 """
-from .._base import reads, xla
 from .._base.errors import DroppedDonationWarning
 from .._base.native import C
-from . import devices, verdicts
+from . import verdicts
 
 # The rooms this module judges with; their names stay importable from here
 # (the commit and sharing.py use them as ``ownership.<name>``).
@@ -63,7 +62,7 @@ from .companions import (
 )
 from .holders import scan, scanning, storage_of
 
-__all__ = ["judge", "judge_at_commit", "drop", "owns_its_buffer",
+__all__ = ["judge", "judge_at_commit", "drop",
            # from the rooms it judges with:
            "held_by_autograd", "settle_autograd", "scan", "scanning", "storage_of",
            "companions_by_record", "register_companions", "poison_companions",
@@ -166,35 +165,3 @@ def drop(entries, why: str, notices) -> None:
         + ". These tensors keep their values.",
         [record for _, record in entries],
     )
-
-
-# -- Copies sharing their source's buffer -----------------------------------------
-
-def owns_its_buffer(t) -> bool:
-    """False for a copy that has no buffer of its own yet.
-
-    torch_xla backs a copy or clone made since the last barrier (``s.clone()``,
-    ``t.copy_(s)``, ``s.to(device, copy=True)``, ``torch.tensor(s)``) with the
-    source's buffer, filed under the source's (older) tensor id: donating the
-    copy would destroy the source, and marking refuses it.
-
-    The tricky case is the other direction.  Some copies keep that buffer
-    after the barrier, and torch_xla then files it under the copy, a *newer*
-    tensor id: the source is not refused here, because whether the copy is
-    still alive can only be told by looking at the live tensors, which the
-    commit does for every donor alike (sharing.py).  A buffer filed under
-    nobody belongs to its one tensor.
-    """
-    me = reads.tensor_id(t)
-    if me <= devices.settled_id():
-        # Older than the last barrier, which gave every copy then alive a
-        # buffer (or the buffer it shares, sharing.py's business).  Not asked:
-        # such a tensor may be an output still being computed, and torch_xla
-        # crashes asking about one that is sharded.
-        return True
-    # Both reads twins give None without a live buffer (the callers refused
-    # pending and consumed tensors: an output still being computed), which
-    # is nobody else's buffer.  The native twin asks without the owner
-    # query's side effects (_base/reads.py owner_ids).
-    owner = reads.owner_ids([t])[0]
-    return owner is None or owner in (me, xla.NO_OWNER) or owner > me

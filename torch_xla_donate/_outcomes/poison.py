@@ -15,17 +15,15 @@ How: every operator reaches torch_xla's tensor through c10's dispatcher.
 Poisoning gives that tensor (for torch_xla's default functional tensors, the
 XLA tensor the functional wrapper holds) a dispatch key of the plugin's,
 whose native fallback hands the donated arguments to ``on_donated_dispatch``
-(csrc/outcomes/donated_key.h); where that key cannot be used, its twin:
-c10's Python dispatch key, and a class whose ``__torch_dispatch__`` raises
-for the tensor's Python object.  So the
-error comes from the dispatcher itself, whoever calls the operator: Python
-code, ``torch.func.vmap``/``grad``, ``torch.jit.trace``, autograd's backward,
-``Tensor.set_``, ``Tensor._make_subclass``.  The tensor the user holds also
-takes a twin of its class (``nn.Parameter`` stays a Parameter, a user
-subclass keeps its methods) whose ``repr`` says plainly that it was donated.
-Metadata (shape, dtype, device, ``requires_grad``) stays readable: it is no
-operator.  Code that hands the tensor straight to torch_xla's C++
-(``torch_xla._XLAC.*``) is not seen and gets torch_xla's own error.
+(csrc/outcomes/donated_key.h).  So the error comes from the dispatcher
+itself, whoever calls the operator: Python code, ``torch.func.vmap``/
+``grad``, ``torch.jit.trace``, autograd's backward, ``Tensor.set_``,
+``Tensor._make_subclass``.  The tensor the user holds also takes a twin of
+its class (``nn.Parameter`` stays a Parameter, a user subclass keeps its
+methods) whose ``repr`` says plainly that it was donated.  Metadata (shape,
+dtype, device, ``requires_grad``) stays readable: it is no operator.  Code
+that hands the tensor straight to torch_xla's C++ (``torch_xla._XLAC.*``) is
+not seen and gets torch_xla's own error.
 
 A poisoned tensor is in one of two states:
 
@@ -99,7 +97,7 @@ class _DonatedTensor:
 def on_donated_dispatch(tensors, refill_first: bool) -> None:
     """What an operator does with donated tensors among its arguments (the
     donated key's fallback calls it, with the tensors torch_xla computes
-    with; ``_RefusesOperators.__torch_dispatch__`` does the same): raises
+    with): raises
     the ``DonatedBufferError`` of the first consumed one, unless it is the
     first argument of a refill (``refill_first``: ``t.copy_(s)``, which then
     gives it its value back); one whose donation went unused loses its
@@ -111,67 +109,22 @@ def on_donated_dispatch(tensors, refill_first: bool) -> None:
         unpoison(tensors[0])
 
 
-class _RefusesOperators(_DonatedTensor):
-    """The class of the tensor that carries the dispatch key: the one
-    torch_xla computes with.  Kept off the wrapper the user holds, so that
-    dynamo sees that one as a plain tensor and never traces this."""
-
-    __slots__ = ()
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is _PROPAGATE_XLA_DATA:  # metadata only: no value is read
-            with torch._C._ExcludeDispatchKeyGuard(_PYTHON_KEYS):
-                return func(*args, **kwargs)
-        donated = donated_in(args, kwargs)
-        # A refill writes into its first argument; a donated tensor anywhere
-        # else in the call (``t.copy_(t)`` too) is read.  Its value is then
-        # the source's (torch_xla's ``copy`` writes into its first argument
-        # and returns it, as ``copy_`` does).
-        refill = func in _REFILLS and sum(x is args[0] for x in donated) == 1
-        if refill:
-            donated = [args[0]] + [x for x in donated if x is not args[0]]
-        on_donated_dispatch(donated, refill)
-        # Every donated argument turned out unused and lost its poison.
-        return func(*args, **kwargs)
-
-
-# Operators that overwrite every element of their first argument without
-# reading it: a consumed tensor may be refilled by them (``t.copy_(s)``, as
-# ``load_state_dict`` and torch.compile's write-back of a mutated input do).
-# ``copy`` is what functionalization makes of ``copy_``.  The user's tensor
-# (the functional wrapper) loses its poison at its next look, once the
-# tensor torch_xla computes with has lost its own (``donation_record``).
-_REFILLS = (torch.ops.aten.copy.default, torch.ops.aten.copy_.default)
-# After an in-place update torch_xla's functionalization hands the new value
-# the old one's alias id (for its input/output aliasing): metadata only.
-_PROPAGATE_XLA_DATA = torch.ops.aten._propagate_xla_data.default
-_PYTHON_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.Python) | torch._C.DispatchKeySet(
-    torch._C.DispatchKey.PythonTLSSnapshot)
-
-
 _poison_classes = {}
 
 
-def _poison_class_for(cls: type, refuses_operators: bool = False) -> type:
+def _poison_class_for(cls: type) -> type:
     """The donated twin of ``cls``: ``nn.Parameter`` stays a Parameter, a user
     subclass keeps its methods (only tensor operators are refused).  Its
     finalizer (``C.watch_deaths``, after a ``__del__`` of ``cls``) lets the
     ledger's weak hold on a dying instance go, so that torch_xla's tensor
-    dies with it rather than at the next barrier."""
-    key = (cls, refuses_operators)
-    poisoned = _poison_classes.get(key)
+    dies with it rather than at the next barrier.  Native poisoning gives
+    it only once it is registered (``C.register_twin``: ``check_poisonable``)."""
+    poisoned = _poison_classes.get(cls)
     if poisoned is None:
-        mixin = _RefusesOperators if refuses_operators else _DonatedTensor
-        poisoned = type(f"Donated{cls.__name__}", (mixin, cls), {"_original_class": cls})
+        poisoned = type(f"Donated{cls.__name__}", (_DonatedTensor, cls), {"_original_class": cls})
         C.watch_deaths(poisoned)
-        _poison_classes[key] = poisoned
+        _poison_classes[cls] = poisoned
     return poisoned
-
-
-def _dispatch_class_for(cls: type) -> type:
-    return _poison_class_for(cls, True)
 
 
 def inner(t):
@@ -187,48 +140,22 @@ def inner(t):
 def poison(t: torch.Tensor, record, note: str = "") -> None:
     """Makes ``t`` refuse use; ``record`` is its ledger entry (in flight or
     consumed), ``note`` says how ``t`` lost its buffer when it was not the
-    donated tensor itself (ownership.py's companions).
-
-    The record rides on the TensorImpl of the tensor torch_xla computes with
-    (csrc/record_tag.h), not in ``t.__dict__``: a dict per donated tensor and
-    step would double the garbage collector's work in a training loop.  A
-    functional wrapper takes its twin class only: ``donation_record`` reads
-    the tensor it wraps.  The step hook poisons a whole step's donors in one
-    native call (``C.disarm_and_poison``), which does the same as this,
-    tensor by tensor.
-    """
+    donated tensor itself (ownership.py's companions).  ``C.poison`` does
+    it (csrc/outcomes/poison.h), as the commit does for a step's donors: the
+    record and the donated key on the tensor torch_xla computes with, the
+    twin class on ``t``."""
     if torch._is_functional_tensor(t) and not is_poisoned(t):
         # An alias (``nn.Parameter(t)``, ``t.detach()``) may hold a stale
         # value its functional storage regenerates at the next use: poison
-        # the current one (the native twin's torch_xla call syncs it too).
+        # the current one.
         torch._sync(t)
-    core = inner(t)
-    # The tensor torch_xla computes with first: once it refuses operators,
-    # the value is safe whatever happens to the wrapper.
-    C.tag_record(core, record, note)
-    if C.donated_key_in_use():  # decided at the first commit (poison_key.py)
-        C.set_donated_key(core, True)
-        if not isinstance(t, _DonatedTensor):
-            _set_class(t, _poison_class_for(type(t)))
-        return
-    for x in reversed(_both(t, core)):
-        if not isinstance(x, _DonatedTensor):
-            _set_class(x, _poison_class_for(type(x), refuses_operators=x is core))
-        if x is core:
-            C.set_python_dispatch(core, True)
+    _register(type(t))
+    C.poison(t, record, note)
 
 
 def unpoison(t: torch.Tensor) -> None:
     """Gives ``t`` back its class and dispatch key: its donation went unused."""
-    core = inner(t)
-    if C.has_donated_key(core):
-        C.set_donated_key(core, False)
-    if isinstance(core, _RefusesOperators):
-        C.set_python_dispatch(core, False)
-    C.untag_record(core)  # the one tag poisoning gave (``poison``)
-    for x in _both(t, core):
-        if isinstance(x, _DonatedTensor):
-            _set_class(x, type(x)._original_class)
+    C.unpoison(t)
 
 
 def _set_class(t, cls) -> None:
@@ -251,7 +178,7 @@ def check_poisonable(t) -> None:
     >>> check_poisonable(torch.ones(1))
     """
     cls = type(t)
-    if cls in (torch.Tensor, torch.nn.Parameter) or isinstance(t, _DonatedTensor):
+    if isinstance(t, _DonatedTensor) or C.twin_of(cls) is not None:
         return
     twin = _poison_class_for(cls)
     try:
@@ -265,11 +192,13 @@ def check_poisonable(t) -> None:
             f"{cls.__qualname__} a layout its subclasses can share (no __slots__)."
         ) from None
     _set_class(t, cls)
+    _register(cls)
 
 
-def _both(t, core=None):
-    core = inner(t) if core is None else core
-    return (t,) if core is t else (t, core)
+def _register(cls) -> None:
+    """Lets native marking and poisoning use ``cls``'s twin."""
+    if C.twin_of(cls) is None:
+        C.register_twin(cls, _poison_class_for(cls))
 
 
 def is_poisoned(t) -> bool:
@@ -383,6 +312,7 @@ def donated_in(args, kwargs):
 
 # What native poisoning (csrc/outcomes/poison.cpp, ``C.disarm_and_poison``)
 # calls back: the package's install step binds them (_hooks/install.py).
-NATIVE_HOOKS = dict(donated_type=_DonatedTensor, poison_class_for=_poison_class_for,
-                    dispatch_class_for=_dispatch_class_for,
-                    from_functional=torch._from_functional_tensor)
+NATIVE_HOOKS = dict(donated_type=_DonatedTensor, on_donated_dispatch=on_donated_dispatch)
+
+for _cls in (torch.Tensor, torch.nn.Parameter):  # their instances swap classes freely
+    _register(_cls)

@@ -51,9 +51,9 @@ import sys
 import threading
 import warnings
 
-from .._base import arena, reads, xla, xla_cpu
+from .._base import guards, xla, xla_cpu
 from .._base.native import C
-from . import auto, poison_key, verdicts
+from . import auto, verdicts
 
 # What a report is (its dataclasses) lives in step_report.py; here, where
 # its numbers come from and where they go.
@@ -117,9 +117,9 @@ def summary() -> Summary:
         history=tuple(StepReport._from_stats(s) for s in C.history()),
         skipped_on_cpu=_skipped_on_cpu,
         cpu_guard=xla_cpu.describe(),
-        reads=reads.path(),
-        live_tensors=arena.state(),
-        poisoning=poison_key.key_state(),
+        reads=guards.state("reads"),
+        live_tensors=guards.state("walk"),
+        poisoning=guards.state("poisoning"),
         auto=auto.describe_totals(_size),
     )
 
@@ -152,9 +152,9 @@ def metrics_report() -> str:
     """
     totals = C.totals()
     text = "".join(f"Counter: {name}\n  Value: {totals[field]}\n" for name, field in COUNTERS.items())
-    text += f"Setting: TensorReads\n  Value: {reads.path()}\n"
-    text += f"Setting: LiveTensorRegistry\n  Value: {arena.state()}\n"
-    text += f"Setting: Poisoning\n  Value: {poison_key.key_state()}\n"
+    text += f"Setting: TensorReads\n  Value: {guards.state('reads')}\n"
+    text += f"Setting: LiveTensorRegistry\n  Value: {guards.state('walk')}\n"
+    text += f"Setting: Poisoning\n  Value: {guards.state('poisoning')}\n"
     if xla_cpu.state() != "none":
         text += f"Setting: XlaCpuXnnpackGuard\n  Value: {xla_cpu.state()} ({xla_cpu.describe()})\n"
     return text

@@ -1,58 +1,12 @@
 """Device buffers other tensors hold: a donation never destroys a tensor
-that was not donated.
+that was not donated (docs/buffer-sharing.md has the holders and why each
+is refused).
 
-The problem
------------
-torch_xla backs some tensors with another tensor's device buffer, and c10's
-use counts (views, ``detach``) do not see it:
-
-* a ``.clone()`` read before its first step (``print(c)``, ``c.cpu()``)
-  keeps its source's buffer for good;
-* copies made by ``load_state_dict``, ``copy_``, ``t.to(dev, copy=True)``,
-  ``torch.tensor(t)``, ``x[...] = t`` share their source's buffer, also
-  after a barrier;
-* ``torch_xla._XLAC._replace_xla_tensor(p, s)`` (torch_xla's FSDP) makes two
-  Python tensors hold one XLA tensor;
-* and such a copy may be held by nobody Python can reach: an autograd graph
-  that saved it for backward.
-
-Donating either side would destroy the other.
-
-Read from the buffer
---------------------
-With native reads (``_base/reads.py``) every committed donor's buffer is
-asked how many hold it (its ``shared_ptr`` use count) against what a clean
-tensor has, and how many own its XLA tensor: one native call for the step,
-exact whoever the holder is, Python or C++.  Donors of one step may share a
-buffer with each other.  An excess can be a moment's: autograd's worker
-thread releasing a graph, or the previous execution, still dispatching,
-holding its inputs; so an excess is read again after waiting for both, and
-only a holder still there drops the donation (value kept, a
-``DroppedDonationWarning`` naming the holder where Python can reach it, or
-saying that C++ holds it).
-
-Copies made in the same step
-----------------------------
-A copy made from a donor since the last barrier (``load_state_dict``,
-``copy_``, ``t.to(dev, copy=True)``, ``torch.tensor(t)``, ``x[...] = t``)
-has the donor's own device-data node as its IR value: the barrier backs it
-with the donor's buffer, and no count shows it.  One native walk of
-torch_xla's live tensors per barrier that donates (``_base/arena.py``)
-finds the tensors holding that node, Python or C++ holders alike; such a
-donor is dropped, naming the copy.  A ``.clone()`` made in the step is found
-too and counts as a copy (torch_xla would compute it into a buffer of its
-own, but nothing readable tells it from a copy): the donation is dropped
-for that step.
-
-Without the walk
-----------------
-Without native reads (``TORCH_XLA_DONATE_NATIVE_READS=0``, a self-test that
-disagreed, a tensor the reader declines) or without the walk (torch_xla's
-registry not found or not trusted: ``arena.state()``), the buffer's holders
-are searched for in Python (``_screen_by_search``): every donor of every
-barrier has its buffer handle compared with those of all live tensors
-Python can reach (a walk of the live objects per barrier that donates).
-Not seen on that path: a holder only C++ keeps (an autograd graph).
+At the commit every donor's buffer is read natively: its holder count
+against a clean tensor's, and the walk of torch_xla's live tensors for
+copies made in the step.  A holder still there after waiting for a moment's
+ones (autograd's worker thread, the previous execution) drops the donation:
+value kept, a ``DroppedDonationWarning`` naming the holder.
 
 >>> import torch_xla_donate as tdx
 >>> import warnings
@@ -70,10 +24,6 @@ from .._base.native import C
 from . import ownership, poison
 
 __all__ = ["screen", "live_sharers", "note_graph_holds_inputs"]
-
-# Owner ids whose tensor was looked for and not found alive: a buffer filed
-# under one of them is its holder's alone (tensor ids are never reused).
-_dead_owners = set()
 
 _WHY = (
     "it shares its device buffer with {names}: torch_xla backs copies made by "
@@ -93,6 +43,12 @@ _CPP_HOLDERS = (
 )
 
 
+_UNREAD = (
+    "torch_xla_donate could not read its device buffer (it is no plain device data "
+    "any more), so it cannot tell who else holds it"
+)
+
+
 _SAME_STEP = (
     "it shares its device buffer with {holder}, a copy made from it in this step "
     "(load_state_dict, copy_, t.to(device, copy=True), torch.tensor(t), x[...] = t, or a "
@@ -109,26 +65,29 @@ def screen(donors, notices) -> list:
     with other donors of the same step; the others are dropped (value kept,
     a warning held in ``notices``).  ``donors`` are (tensor, record) entries.
 
-    Copies made in the step found by the walk of torch_xla's live tensors,
-    other holders read from each buffer's holder count, where both answer;
-    else searched for in Python (``_screen_by_search``).
+    Copies made in the step are found by the walk of torch_xla's live
+    tensors, other holders read from each buffer's holder count.  Without
+    functionalization the counts are unknown (torch_xla's own views hold
+    buffers the reader cannot see): the walk then also looks for live
+    tensors holding the donor's buffer itself.
     """
     if not donors:
         return donors
     tensors = [e[0] for e in donors]  # no unpacking: one item read per entry
-    copies = arena.same_step_copies(tensors)
-    if copies is None:  # no walk: every donor searched for, copies made in the step too
-        return _screen_by_search(donors, notices, every=True)
+    counted = reads.excess(tensors) is not None
+    copies = arena.same_step_copies(tensors, with_handles=not counted)
+    if copies is None:
+        raise RuntimeError("torch_xla's live-tensor registry cannot be walked")
     if copies:
-        donors = _drop_same_step_copies(donors, copies, notices)
+        donors = _drop_copies(donors, copies, notices, same_step=counted)
         if not donors:
             return donors
         tensors = [e[0] for e in donors]  # no unpacking: one item read per entry
+    if not counted:
+        return donors
     # Natively, with no Python object per donor: [] when every buffer has
     # only the holders its donors account for (the common case).
     over = reads.excess(tensors)
-    if over is None:  # copies in the step already looked for
-        return _screen_by_search(donors, notices)
     graph_holds_inputs = _graph_holds_inputs_at == C.current_step()
     if over:
         # A moment's holders: autograd's worker thread, or the previous
@@ -136,8 +95,6 @@ def screen(donors, notices) -> list:
         ownership.settle_autograd(tensors[0].device)
         xla.wait_device_ops()
         over = reads.excess(tensors)
-        if over is None:
-            return _screen_by_search(donors, notices)
     if not over:
         return donors
     counts = reads.holders(tensors)
@@ -149,6 +106,11 @@ def screen(donors, notices) -> list:
             continue  # the step's own graph holds it (see note_graph_holds_inputs)
         why = _WHY.format(names=names) if names else _CPP_HOLDERS.format(n=extra)
         dropped.setdefault(why, []).append(donors[i])
+    return _drop_grouped(donors, dropped, notices)
+
+
+def _drop_grouped(donors, dropped, notices) -> list:
+    """Drops the entries of ``dropped`` (why -> entries); returns the rest."""
     for why, entries in dropped.items():
         ownership.drop(entries, why, notices)
     gone = {id(e) for entries in dropped.values() for e in entries}
@@ -185,13 +147,11 @@ def _named_sharers(indices, tensors) -> dict:
     return out
 
 
-def _drop_same_step_copies(donors, copies, notices) -> list:
+def _drop_copies(donors, copies, notices, same_step) -> list:
     """Drops the donors whose ``copies`` (the walk's answer, index -> ids of
-    the live tensors the barrier backs with its buffer, None where the
-    donor could not be read) list a holder; an unread donor is searched for
-    in Python.  Returns the donors left."""
+    the live tensors holding or reading its buffer, None where the donor
+    could not be read) list a holder.  Returns the donors left."""
     hits = {i: ids for i, ids in copies.items() if ids}
-    unread = [donors[i] for i, ids in copies.items() if ids is None]
     named = _names_of(set().union(*hits.values())) if hits else {}
     dropped = {}
     for i, ids in hits.items():
@@ -201,15 +161,12 @@ def _drop_same_step_copies(donors, copies, notices) -> list:
         holder = (", ".join(holders) if holders else
                   f"a tensor Python cannot reach (torch_xla tensor {ids[0]}: an autograd graph "
                   f"or C++ code holds it)")
-        dropped.setdefault(_SAME_STEP.format(holder=holder), []).append(donors[i])
-    for why, entries in dropped.items():
-        ownership.drop(entries, why, notices)
-    gone = {id(e) for entries in dropped.values() for e in entries}
-    gone.update(id(e) for e in unread)
-    kept = [e for e in donors if id(e) not in gone]
+        why = _SAME_STEP.format(holder=holder) if same_step else _WHY.format(names=holder)
+        dropped.setdefault(why, []).append(donors[i])
+    unread = [donors[i] for i, ids in copies.items() if ids is None]
     if unread:
-        kept += _screen_by_search(unread, notices, every=True)
-    return kept
+        dropped.setdefault(_UNREAD, []).extend(unread)
+    return _drop_grouped(donors, dropped, notices)
 
 
 def _names_of(tensor_ids) -> dict:
@@ -223,49 +180,6 @@ def _names_of(tensor_ids) -> dict:
                 if i in tensor_ids and i not in out:
                     out[i] = _name(o)
     return out
-
-
-def _screen_by_search(donors, notices, every=False) -> list:
-    """``screen`` without buffer counts: holders searched for in Python.
-
-    ``every``: every donor's buffer handle is compared with those of all
-    live tensors (copies made in the step included).  Else only donors
-    torch_xla files under another tensor id are looked at; one whose other
-    holder turns out to be dead is donated, and that owner id is not looked
-    for again.
-    """
-    if not donors:
-        return donors
-    if xla.spmd():
-        # torch_xla 2.9 crashes (SIGSEGV) asking the handle or the owner of a
-        # sharded buffer that is still being computed (an output of a step
-        # run with wait=False): tools/repros/sharded_inflight_query.py.  So
-        # under SPMD the search first waits until none is: this path (native
-        # reads off) then blocks at each barrier that donates, and a donor
-        # whose buffer a clone shares is still never donated.
-        xla.wait_device_ops()
-    tensors = [e[0] for e in donors]  # no unpacking: one item read per entry
-    if every:
-        owners = {}
-        suspects = list(range(len(donors)))
-    else:
-        # An owner of None: the answer does not say (some donors share one
-        # buffer); those are looked at too.
-        owners = dict(xla.owner_suspects(tensors))
-        suspects = [i for i, owner in owners.items() if owner not in _dead_owners]
-        if not suspects:
-            return donors
-    dropped = {}
-    named = _named_sharers(suspects, tensors)  # one walk of the live objects
-    for i in suspects:
-        if i in named:
-            dropped.setdefault(_WHY.format(names=named[i]), []).append(donors[i])
-        elif owners.get(i) is not None:
-            _dead_owners.add(owners[i])
-    for why, entries in dropped.items():
-        ownership.drop(entries, why, notices)
-    gone = {id(e) for entries in dropped.values() for e in entries}
-    return [e for e in donors if id(e) not in gone]
 
 
 def live_sharers(tensors, donors) -> list:

@@ -122,11 +122,11 @@ class Summary:
     # The CPU backend's XNNPACK guard (``_base/xla_cpu.py``), in words.
     cpu_guard: str = ""
     # How the plugin asks torch_xla about tensors: "native reads", or
-    # "_XLAC (<why not native>)" (_base/reads.py).
+    # "off (<why>)" (_base/reads.py).
     reads: str = ""
     # Whether the walk of torch_xla's live tensors finds copies made in the
     # donating step: "in use", "off (<why>)" or "not decided yet"
-    # (_base/arena.py); off, every barrier's donors are searched in Python.
+    # (_base/arena.py); off, donation is off.
     live_tensors: str = ""
     # How a consumed tensor refuses operators: "native dispatch key" or
     # "Python dispatch key (<why>)" (_outcomes/poison.py).

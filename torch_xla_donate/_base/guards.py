@@ -1,0 +1,148 @@
+"""The guards of what the package reads below torch_xla's Python API (why
+each reach, and what it guards against: docs/design.md, "Reading torch_xla").
+
+They are decided once per process, at the first mark, on the tensor being
+marked: no tensor of torch_xla's and no graph of their own, so torch_xla's
+metrics show the user's step alone.  A guard that fails switches donation
+off for the process (``failure()``; switches.py gives the
+``DonationDisabledWarning`` at the next marking, every value kept); the
+later ones are not tried.
+
+* ``reads``: ``C.lazy_learn`` checks the RTTI of the tensor's
+  ``XLATensorImpl`` and of the ``XLATensor`` the layout fact says follows
+  it; then the tensor's native id, pending state, consumed state and buffer
+  handle must be ``_XLAC``'s;
+* ``walk``: torch_xla's live-tensor registry found (arena.py), its count of
+  live tensors torch_xla's own, the tensor found in it;
+* ``poisoning``: the donated key's fallback registered (nobody else's is),
+  a CPU probe refused with the key and served without it.
+
+Tests get one native answer wrong through ``CORRUPT`` (a field of
+``LazyFacts``) to see a mismatch switch donation off.
+
+>>> describe_mismatch("tensor_id", 3, 2)
+'tensor_id: native 3, _XLAC 2'
+"""
+import threading
+
+import torch
+from torch.utils import _python_dispatch
+
+from . import arena, xla
+from .native import C
+
+__all__ = ["decide", "decided", "failure", "state", "describe_mismatch", "CORRUPT"]
+
+# Test hook: the name of a LazyFacts field whose native answer the reads'
+# guard gets wrong (a flag flipped, a number plus 1; None: off).
+CORRUPT = None
+
+# What each guard's state says once it passed, and what it guards.
+_PASSED = {"reads": "native reads", "walk": "in use", "poisoning": "native dispatch key"}
+_WHAT = {"reads": "native reads", "walk": "torch_xla's live-tensor registry",
+         "poisoning": "poisoning's dispatch key"}
+
+_lock = threading.Lock()
+_why = {}  # guard -> None (passed) or why it failed; empty until decided
+
+
+def describe_mismatch(what: str, native, xlac) -> str:
+    return f"{what}: native {native}, _XLAC {xlac}"
+
+
+def decide(sample) -> bool:
+    """Runs the guards on ``sample`` once per process if it can serve (a
+    plain XLA tensor outside any dispatch mode: a FakeTensor or a functorch
+    wrapper waits for a later mark); True once decided."""
+    if _why or not _can_serve(sample):
+        return bool(_why)
+    with _lock:
+        if _why:
+            return True
+        for name, check in (("reads", _reads), ("walk", _walk), ("poisoning", _poisoning)):
+            try:
+                why = check(sample)
+            except Exception as error:  # any surprise: donation stays off
+                why = f"the guard raised {error!r}"
+            _why[name] = why
+            if why is not None:
+                C.lazy_set_enabled(False)
+                C.live_set_arena(0)
+                break
+    return True
+
+
+def decided() -> bool:
+    return bool(_why)
+
+
+def failure():
+    """Why a guard switched donation off (what it guards: why), or None."""
+    for name, why in _why.items():
+        if why is not None:
+            return f"{_WHAT[name]}: {why}"
+    return None
+
+
+def state(name: str) -> str:
+    """A guard's state for the reports: what it passed as, ``"off (<why>)"``,
+    ``"not decided yet"`` or ``"not tried"`` (an earlier one failed)."""
+    if not _why:
+        return "not decided yet"
+    if name not in _why:
+        return "not tried"
+    return _PASSED[name] if _why[name] is None else f"off ({_why[name]})"
+
+
+def _can_serve(t) -> bool:
+    if not xla.is_xla_tensor(t) or _python_dispatch._get_current_dispatch_mode() is not None:
+        return False
+    return C.lazy_learn(t) == ""
+
+
+def _reads(t):
+    """None when the native read of ``t`` agrees with ``_XLAC``, else why not."""
+    why = C.lazy_learn(t)
+    if why:
+        return why
+    facts = C.lazy_facts(t, force=True)
+    if facts is None:
+        return "the native read declined the first tensor marked"
+    n = dict(zip(C.LAZY_FACT_FIELDS, facts))
+    if CORRUPT in n:
+        value = n[CORRUPT]
+        n[CORRUPT] = (not value) if isinstance(value, bool) else (value or 0) + 1
+    checks = [("tensor_id", n["tensor_id"], xla.tensor_id(t)),
+              ("pending", n["pending"], xla.has_pending_ir([t])[0])]
+    if n["has_handle"]:
+        checks.append(("consumed", not n["has_value"], xla.buffer_deleted(t)))
+    if n["has_value"]:
+        checks.append(("handle", n["handle"], xla.buffer_handles([t])[0]))
+    for what, native, expected in checks:
+        if native != expected:
+            return describe_mismatch(what, native, expected)
+    C.lazy_set_enabled(True)
+    return None
+
+
+def _walk(t):
+    """None when the walk of live tensors agrees with torch_xla's, else why
+    not: its count is torch_xla's own, and it finds ``t``."""
+    why = arena.find()
+    if why:
+        return why
+    for _ in range(3):  # another thread may make or drop tensors meanwhile
+        if C.live_count() == xla.live_tensor_count():
+            break
+    else:
+        return (f"the walk counts {C.live_count()} live tensors, torch_xla "
+                f"{xla.live_tensor_count()}")
+    tid = C.lazy_tensor_id(t)
+    if tid not in {row[0] for row in C.live_tensors()}:
+        return f"the walk did not find the first tensor marked (torch_xla tensor {tid})"
+    return None
+
+
+def _poisoning(t):
+    """None when the donated key refuses a probe and lets it go again."""
+    return C.donated_key_self_test(torch.zeros(2)) or None
