@@ -30,7 +30,6 @@
 #include "base/tensor_facts.h"
 #include "base/variable.h"
 #include "hooks/commit.h"
-#include "hooks/commit_fast.h"
 #include "hooks/trampoline.h"
 #include "lazy/lazy_bindings.h"
 #include "lazy/live_tensors.h"
@@ -59,8 +58,6 @@ uintptr_t ImplOf(py::handle t) { return ImplAddress(t.ptr()); }
 void Bind(py::kwargs hooks) {
   static const std::pair<const char*, PyObject * Hooks::*> kSlots[] = {
       {"tensor_type", &Hooks::tensor_type},
-      {"set_donor", &Hooks::set_donor},
-      {"storage_use_count", &Hooks::storage_use_count},
       {"donated_type", &Hooks::donated_type},
       {"on_donated_dispatch", &Hooks::on_donated_dispatch},
   };
@@ -109,7 +106,6 @@ PYBIND11_MODULE(_C, m) {
   RegisterPyTypes(m.ptr());
   RegisterMarking(m.ptr());
   RegisterCommit(m.ptr());
-  RegisterCommitFast(m.ptr());
   RegisterOwnership(m.ptr());
   RegisterTrampoline(m.ptr());
   RegisterLazyReads(m.ptr());

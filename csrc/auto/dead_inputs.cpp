@@ -67,19 +67,11 @@ class DeadInputs {
     return out;
   }
 
-  // Sets the donor flag of each buffer to `flag` through `carrier`
-  // (lazy_tensor_of.h SetDonationThroughCarrier: the carrier gets its own
-  // handle back after every call, also when it raises).  Returns how many
-  // torch_xla accepted.
-  size_t Arm(py::handle carrier, py::handle set_donation, bool flag) {
-    if (LazyOfTensor(carrier) == nullptr) throw py::type_error("the carrier is no XLA tensor");
-    size_t accepted = 0;
-    for (const Dead& d : dead) {
-      const int ok = SetDonationThroughCarrier(d.buffer, carrier.ptr(), set_donation.ptr(), flag);
-      if (ok < 0) throw py::error_already_set();
-      accepted += ok;
-    }
-    return accepted;
+  // Points `carrier` at dead input `i`'s buffer (lazy_tensor_of.h
+  // PointCarrier): Python then sets its donor flag and restores the carrier.
+  bool Point(py::handle carrier, size_t i) {
+    if (i >= dead.size()) throw py::index_error("no such dead input");
+    return PointCarrier(carrier.ptr(), dead[i].buffer);
   }
 
   // Per dead input: its buffer has no value any more (the step took it).
@@ -213,7 +205,7 @@ void RegisterDeadInputs(PyObject* module) {
       .def_readonly("aliased", &DeadInputs::aliased, "dead inputs torch_xla aliases itself")
       .def_readonly("seconds", &DeadInputs::seconds, "time the search took")
       .def("describe", &DeadInputs::Describe)
-      .def("arm", &DeadInputs::Arm, py::arg("carrier"), py::arg("set_donation"), py::arg("flag"))
+      .def("point", &DeadInputs::Point, py::arg("carrier"), py::arg("index"))
       .def("consumed", &DeadInputs::Consumed)
       .def("keep", &DeadInputs::Keep, py::arg("mask"))
       .def("release", &DeadInputs::Release);

@@ -15,30 +15,6 @@ namespace torch_xla_donate {
 
 Hooks g_hooks;
 
-namespace {
-
-struct Names {
-  PyObject *untyped_storage, *cdata;
-};
-
-const Names& N() {
-  static const Names names = {
-      PyUnicode_InternFromString("untyped_storage"),
-      PyUnicode_InternFromString("_cdata"),
-  };
-  return names;
-}
-
-// 1 / 0 for the truth of `o` (a new reference, consumed), -1 on error.
-int Truth(PyObject* o) {
-  if (!o) return -1;
-  int r = PyObject_IsTrue(o);
-  Py_DECREF(o);
-  return r;
-}
-
-}  // namespace
-
 void Check(bool ok) {
   if (!ok) throw py::error_already_set();
 }
@@ -62,23 +38,6 @@ uintptr_t ImplAddress(PyObject* t) { return IsTensor(t) ? VariableImplAddress(t)
 int Facts(PyObject* t, TensorFacts* facts, bool with_sizes) {
   const uintptr_t impl = ImplAddress(t);
   return impl != 0 && ReadTensorFacts(impl, facts, with_sizes) ? 1 : 0;
-}
-
-long StorageUseCount(PyObject* t, int read, const TensorFacts& facts) {
-  if (read == 1 && facts.storage_use_count > 0) return facts.storage_use_count;
-  // torch._C._storage_Use_Count(t.untyped_storage()._cdata), as _base/xla.py
-  // storage_use_count, for what tensor_facts cannot read.
-  PyObject* storage = PyObject_CallMethodNoArgs(t, N().untyped_storage);
-  if (!storage) return -1;
-  PyObject* cdata = PyObject_GetAttr(storage, N().cdata);
-  Py_DECREF(storage);
-  if (!cdata) return -1;
-  PyObject* n = PyObject_CallOneArg(g_hooks.storage_use_count, cdata);
-  Py_DECREF(cdata);
-  if (!n) return -1;
-  long count = PyLong_AsLong(n);
-  Py_DECREF(n);
-  return count;
 }
 
 int HeldByAutograd(PyObject* t, const TensorFacts& facts) {
@@ -133,11 +92,6 @@ int BufferDeleted(PyObject* t) {
   if (ReadLazy(t, &facts)) return facts.consumed() ? 1 : 0;
   PyErr_SetString(PyExc_TypeError, "torch_xla_donate cannot read this tensor's device buffer");
   return -1;
-}
-
-int SetDonor(PyObject* t, bool donate) {
-  PyObject* args[2] = {t, donate ? Py_True : Py_False};
-  return Truth(PyObject_Vectorcall(g_hooks.set_donor, args, 2, nullptr));
 }
 
 int OnlyHeldByItsEntry(PyObject* t) {

@@ -32,15 +32,13 @@ namespace torch_xla_donate {
 
 // The callables and types bound at import; see Bind() in module.cpp.
 struct Hooks {
-  PyObject* tensor_type = nullptr;        // torch.Tensor
-  PyObject* set_donor = nullptr;          // (tensor, bool) -> bool
-  PyObject* storage_use_count = nullptr;  // storage._cdata -> int
-  PyObject* donated_type = nullptr;       // poison._DonatedTensor (the mixin)
+  PyObject* tensor_type = nullptr;   // torch.Tensor
+  PyObject* donated_type = nullptr;  // poison._DonatedTensor (the mixin)
   // poison.py's on_donated_dispatch: what the donated key's fallback asks
   // when an operator meets a donated tensor (donated_key.h).
   PyObject* on_donated_dispatch = nullptr;
 
-  bool torch_bound() const { return tensor_type && set_donor && storage_use_count; }
+  bool torch_bound() const { return tensor_type != nullptr; }
   bool poison_bound() const { return donated_type && on_donated_dispatch; }
 };
 
@@ -60,9 +58,6 @@ uintptr_t ImplAddress(PyObject* t);
 // The native facts of `t`.  1 read, 0 not a tensor or torch raised (the
 // caller takes the Python route), -1 error.
 int Facts(PyObject* t, TensorFacts* facts, bool with_sizes = true);
-// Tensors sharing t's storage, from `facts` when read (`read` is Facts'
-// result) and they have it, else through Python.  -1 on error.
-long StorageUseCount(PyObject* t, int read, const TensorFacts& facts);
 // C++ owners of t's TensorImpl beyond t and a leaf's AccumulateGrad: an
 // autograd graph that saved it for backward.  1 held, 0 not, -1 error.
 int HeldByAutograd(PyObject* t, const TensorFacts& facts);
@@ -88,7 +83,6 @@ int HasPendingIr(PyObject* t);
 // handle (pending IR, not yet uploaded).  Raises for a tensor the reader
 // declines.
 int BufferDeleted(PyObject* t);
-int SetDonor(PyObject* t, bool donate);
 // HasPendingIr of each tensor of `list` (a Python list), into `out`.
 // False with a TypeError for an item that is no XLA tensor.
 bool PendingFlags(PyObject* list, std::vector<char>* out);

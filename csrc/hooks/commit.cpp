@@ -4,12 +4,16 @@
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
+#include <stdexcept>
+#include <unordered_map>
 #include <vector>
 
 #include "base/ledger.h"
 #include "base/py_types.h"
 #include "base/scratch.h"
 #include "base/tensor_access.h"
+#include "base/tensor_facts.h"
+#include "lazy/live_tensors.h"
 #include "lazy/reaper.h"
 #include "outcomes/poison.h"
 
@@ -20,16 +24,10 @@ namespace {
 
 PyObject* TensorOf(PyObject* entry, const RecordPtr** record) {
   PyObject* t;
-  if (!EntryParts(entry, &t, record)) throw py::type_error("expected (tensor, record) entries");
+  const RecordPtr* ignored;
+  if (!EntryParts(entry, &t, record ? record : &ignored))
+    throw py::type_error("expected (tensor, record) entries");
   return t;
-}
-
-void AppendEntry(py::list& out, PyObject* t, PyObject* rec) {
-  PyObject* entry = NewEntry(t, rec);
-  Check(entry != nullptr);
-  int appended = PyList_Append(out.ptr(), entry);
-  Py_DECREF(entry);
-  Check(appended == 0);
 }
 
 // The tensors of `entries` (a list), prefetched (tensor_access.h
@@ -51,97 +49,168 @@ void PrefetchEntryTensors(PyObject* entries) {
   }
 }
 
-// Splits a committed step (`tensors`, `records`, with `pending`: which ones
-// hold pending IR) into donors and the ones whose holders must be looked at:
-//  * pending, or its version counter moved: updated in place after marking,
-//    an output: UPDATED_IN_PLACE;
-//  * views or aliases alive, or held by autograd: returned as `held`
-//    entries, unsettled, for ownership.py to decide;
-//  * the rest are donors.
-// Returns (donors, held), both lists of Entry.
-py::tuple SplitCommitted(py::list tensors, py::list records, py::object pending) {
-  RequireBound();
-  py::list donors, held;
-  const size_t n = tensors.size();
-  if (records.size() != n) throw py::value_error("tensors and records differ in length");
-  if (n == 0) return py::make_tuple(donors, held);
-  py::list flags = py::list(pending);
-  if (flags.size() != n) throw py::value_error("pending differs in length");
+// A step's marks, judged: the donors, and the others with their Split and
+// what it found (the extra holders, or the ids of the live tensors that
+// read the buffer).  Judge is the one home of the commit's rules.
+struct Judged {
+  py::list donors, undecided;
+  void Refer(PyObject* entry, Split code, py::object detail) {
+    Check(PyList_Append(undecided.ptr(),
+                        py::make_tuple(py::handle(entry), static_cast<int>(code), detail).ptr()) ==
+          0);
+  }
+};
+
+// The buffer checks of `entries` (Entry objects whose tensors are donor
+// candidates: XLA, materialized, no alias or autograd holder): the walk of
+// live tensors for copies made in the step (live_tensors.h; without
+// functionalization also for tensors holding the buffer itself, whose
+// holder counts cannot be read) and the buffers' holder counts.
+void Screen(const std::vector<PyObject*>& entries, Judged* out) {
+  const size_t n = entries.size();
+  if (n == 0) return;
+  Scratch<LazyFacts> facts_of;
+  Scratch<DonorKey> keys_of;
+  std::vector<LazyFacts>& facts = *facts_of;
+  std::vector<DonorKey>& keys = *keys_of;
+  facts.resize(n);
+  keys.resize(n);
+  std::vector<char> read(n, 0);
   for (size_t i = 0; i < n; ++i) {
-    PyObject* t = PyList_GET_ITEM(tensors.ptr(), i);
-    PyObject* rec = PyList_GET_ITEM(records.ptr(), i);
-    const RecordPtr& record = RecordArg(rec);
-    int is_pending = PyObject_IsTrue(PyList_GET_ITEM(flags.ptr(), i));
-    Check(is_pending >= 0);
-    if (is_pending) {
-      GlobalLedger().Settle(record, Verdict::kUpdatedInPlace);
-      continue;
+    PyObject* t = TensorOf(entries[i], nullptr);
+    read[i] = ReadLazy(t, &facts[i]) && DonorKeyOfFacts(facts[i], &keys[i]);
+    // Holder counts read only with a handle and functionalization: else the
+    // walk also looks for live tensors holding the buffer itself.
+    keys[i].match_handle = !(facts[i].is_functional && facts[i].has_handle);
+  }
+  Scratch<std::vector<int64_t>> copies;
+  bool walked;
+  {
+    py::gil_scoped_release no_gil;
+    walked = SameStepCopies(keys, copies.get());
+  }
+  if (!walked) throw std::runtime_error("torch_xla's live-tensor registry cannot be walked");
+  // Holder counts of the functional donors left (the others have none).
+  std::vector<size_t> counted;
+  std::vector<LazyFacts> counted_facts;
+  for (size_t i = 0; i < n; ++i) {
+    if (!read[i]) {
+      out->Refer(entries[i], Split::kUnread, py::none());
+    } else if (!(*copies)[i].empty()) {
+      py::list ids;
+      for (int64_t id : (*copies)[i]) ids.append(id);
+      out->Refer(entries[i], Split::kCopy, std::move(ids));
+    } else if (!keys[i].match_handle) {
+      counted.push_back(i);
+      counted_facts.push_back(facts[i]);
+    } else {
+      Check(PyList_Append(out->donors.ptr(), entries[i]) == 0);
     }
+  }
+  const std::vector<long> extra = ExcessHolders(counted_facts);
+  for (size_t k = 0; k < counted.size(); ++k) {
+    PyObject* entry = entries[counted[k]];
+    if (extra[k] > 0)
+      out->Refer(entry, Split::kExcess, py::int_(extra[k]));
+    else
+      Check(PyList_Append(out->donors.ptr(), entry) == 0);
+  }
+}
+
+// commit(only=None) -> (step, donors, undecided)
+//
+// Takes every mark (or those of the tensors in `only`: a compiled call's
+// arguments) into a new step and judges each, the rules in this order:
+//  * no XLA tensor (junk put straight into the ledger): DROPPED, quietly;
+//  * pending, or its version counter moved: updated in place after marking,
+//    an output, no donor: UPDATED_IN_PLACE;
+//  * views or aliases alive, or held by autograd: kHeld, for Python to
+//    judge (holders.py);
+//  * then the buffer checks (Screen): kCopy, kExcess, kUnread;
+//  * the rest are donors (entries), not armed yet.
+// `undecided` lists (entry, Split, detail).
+py::tuple Commit(py::object only) {
+  RequireBound();
+  std::vector<PyObject*> keys;
+  if (!only.is_none())
+    for (auto t : only) keys.push_back(t.ptr());
+  Scratch<py::object> owned;  // before the records: let go of last
+  Scratch<RecordPtr> recs;
+  const int64_t step =
+      GlobalLedger().BeginStep(owned.get(), recs.get(), only.is_none() ? nullptr : &keys);
+  const size_t n = owned->size();
+  PrefetchTensors(reinterpret_cast<PyObject* const*>(owned->data()), static_cast<Py_ssize_t>(n));
+  Judged judged;
+  py::list entries;  // keeps the candidates' entries alive while Screen reads them
+  std::vector<PyObject*> candidates;
+  for (size_t i = 0; i < n; ++i) {
+    PyObject* t = (*owned)[i].ptr();
+    const RecordPtr& record = (*recs)[i];
     TensorFacts facts;
-    const int read = Facts(t, &facts, /*with_sizes=*/false);
-    Check(read >= 0);
-    if (read == 1 && record->UpdatedSinceMarking(facts.version)) {
-      // Updated in place since marking, and already materialized by a flush
-      // that committed nothing (a step block's): its new value is no donor.
+    if (Facts(t, &facts, /*with_sizes=*/false) != 1 || !facts.is_xla) {
+      GlobalLedger().Settle(record, Verdict::kDropped);
+      continue;
+    }
+    if (record->UpdatedSinceMarking(facts.version) || HasPendingIr(t) != 0) {
       GlobalLedger().Settle(record, Verdict::kUpdatedInPlace);
       continue;
     }
-    long uses = StorageUseCount(t, read, facts);
-    Check(!(uses == -1 && PyErr_Occurred()));
-    int by_autograd = uses <= 1 && read == 1 ? HeldByAutograd(t, facts) : 0;
+    PyObject* entry = NewEntry(t, record);
+    Check(entry != nullptr);
+    Check(PyList_Append(entries.ptr(), entry) == 0);
+    Py_DECREF(entry);
+    const int by_autograd = HeldByAutograd(t, facts);
     Check(by_autograd >= 0);
-    AppendEntry(uses > 1 || by_autograd ? held : donors, t, rec);
+    if (facts.storage_use_count > 1 || by_autograd)
+      judged.Refer(entry, Split::kHeld, py::none());
+    else
+      candidates.push_back(entry);
   }
-  return py::make_tuple(donors, held);
+  Screen(candidates, &judged);
+  return py::make_tuple(step, judged.donors, judged.undecided);
 }
 
-// pending_flags(tensors) -> [bool]: pending computation, per tensor (as
-// torch_xla's _check_tensor_need_materialization), read in place where
-// native reads answer, the rest in one call of torch_xla's (_base/reads.py
-// pending_flags is its selector).
-py::list PendingFlagsOf(py::list tensors) {
+// screen(entries) -> (donors, undecided): Screen alone, for entries Python
+// let through after judging their holders or waiting for a moment's ones.
+py::tuple ScreenOf(py::list entries) {
   RequireBound();
-  std::vector<char> flags;
-  Check(PendingFlags(tensors.ptr(), &flags));
-  py::list out(flags.size());
-  for (size_t i = 0; i < flags.size(); ++i) {
-    PyObject* b = flags[i] ? Py_True : Py_False;
-    Py_INCREF(b);
-    PyList_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i), b);
-  }
-  return out;
+  std::vector<PyObject*> items;
+  for (size_t i = 0, n = entries.size(); i < n; ++i)
+    items.push_back(PyList_GET_ITEM(entries.ptr(), i));
+  Judged judged;
+  Screen(items, &judged);
+  return py::make_tuple(judged.donors, judged.undecided);
 }
 
-// Sets torch_xla's donor flag on the buffer each donor holds now.  Returns
-// (armed, refused): torch_xla refuses a tensor that is no plain device data.
-py::tuple Arm(py::list donors) {
-  RequireBound();
-  py::list armed, refused;
-  for (size_t i = 0, n = donors.size(); i < n; ++i) {
-    PyObject* entry = PyList_GET_ITEM(donors.ptr(), i);
-    const RecordPtr* rec;
-    PyObject* t = TensorOf(entry, &rec);
-    int ok = SetDonor(t, true);
-    if (ok < 0) PyErr_Clear();
-    Check(PyList_Append((ok == 1 ? armed : refused).ptr(), entry) == 0);
+}  // namespace
+
+std::vector<long> ExcessHolders(const std::vector<LazyFacts>& facts) {
+  const size_t n = facts.size();
+  std::vector<long> extra(n, 0);
+  bool clean = true;
+  for (const LazyFacts& f : facts) clean = clean && f.only_own_holders();
+  if (clean) return extra;
+  std::unordered_map<uintptr_t, std::vector<size_t>> groups;
+  for (size_t i = 0; i < n; ++i)
+    if (facts[i].has_value) groups[facts[i].buffer].push_back(i);
+  for (size_t i = 0; i < n; ++i) {
+    std::vector<size_t> alone{i};
+    const std::vector<size_t>& members = facts[i].has_value ? groups[facts[i].buffer] : alone;
+    if (members.front() != i) continue;  // judged with the group's first member
+    long allowed = 0, refs = 0;
+    for (size_t m : members) {
+      allowed += facts[m].expected_holders;
+      refs = std::max(refs, facts[m].xla_tensor_refcount);
+    }
+    const long over =
+        std::max(facts[i].buffer_use_count - allowed, refs - static_cast<long>(members.size()));
+    if (over > 0)
+      for (size_t m : members) extra[m] = over;
   }
-  return py::make_tuple(armed, refused);
+  return extra;
 }
 
-// Clears the donor flag of every entry that holds its tensor.  Never raises
-// for one tensor: a buffer a step consumed keeps a flag nothing can read
-// any more.  An entry that keeps only its buffer (released or weakened) is
-// skipped: its verdict, or the next commit, clears that flag
-// (`disarm_held`).
-void Disarm(py::list entries) {
-  RequireBound();
-  for (size_t i = 0, n = entries.size(); i < n; ++i) {
-    PyObject* entry = PyList_GET_ITEM(entries.ptr(), i);
-    const RecordPtr* rec;
-    PyObject* t = TensorOf(entry, &rec);
-    if (t != Py_None && SetDonor(t, false) < 0) PyErr_Clear();
-  }
-}
+namespace {
 
 // Hands `t`'s buffer to `entry` through `keep` (ReleaseEntryTensor or
 // WeakenEntryTensor).  False, nothing changed, if the buffer cannot be read
@@ -227,9 +296,9 @@ size_t ReleaseUnheld(py::list donors) {
 // that changed its class since marking, say) is returned with the error's
 // text, after every other donor was handled; the caller reports it once the
 // commit is whole.  Returns a list of (entry, message).
-py::list DisarmAndPoison(py::list donors, bool release) {
+py::tuple Finish(py::list donors, bool release) {
   RequireBound();
-  py::list failed;
+  py::list failed, to_disarm;
   PrefetchEntryTensors(donors.ptr());
   for (size_t i = 0, n = donors.size(); i < n; ++i) {
     PyObject* entry = PyList_GET_ITEM(donors.ptr(), i);
@@ -240,17 +309,17 @@ py::list DisarmAndPoison(py::list donors, bool release) {
     int unreachable = OnlyHeldByItsEntry(t);
     Check(unreachable >= 0);
     if (unreachable) continue;
-    // Weakened (and its flag left armed) or disarmed before it is poisoned:
-    // torch_xla's call on a poisoned tensor would be a use of it.
+    // Weakened (its flag left armed), or handed back for Python to disarm:
+    // torch_xla's call reads past the poison, which the dispatcher keeps.
     py::object keep = py::reinterpret_borrow<py::object>(t);  // the entry's goes if weakened
     const bool weakened = release && WeakenHeld(entry, t);
-    if (!weakened && SetDonor(t, false) < 0) PyErr_Clear();
+    if (!weakened) Check(PyList_Append(to_disarm.ptr(), t) == 0);
     if (Poison(t, *rec) != 0) {
       py::error_already_set error;  // takes the Python error
       failed.append(py::make_tuple(py::handle(entry), py::str(error.what())));
     }
   }
-  return failed;
+  return py::make_tuple(to_disarm, failed);
 }
 
 // The buffer the record of `item` (an entry, or a record) keeps for its
@@ -280,19 +349,6 @@ py::list LiveHeld(py::list items, bool reachable) {
     if (LiveHeldBuffer(item)) Check(PyList_Append(live.ptr(), item) == 0);
   }
   return live;
-}
-
-// disarm_held(items, carrier, set_donation): clears the donor flag of the
-// buffer each item's record keeps, if it still holds a value, through the
-// XLA tensor `carrier` (lazy_reads.h SetHeldBufferDonation): no tensor of
-// the user's is touched.
-void DisarmHeld(py::list items, py::object carrier, py::object set_donation) {
-  RequireBound();
-  for (size_t i = 0, n = items.size(); i < n; ++i) {
-    const HeldBuffer* buffer = LiveHeldBuffer(PyList_GET_ITEM(items.ptr(), i));
-    if (buffer && SetHeldBufferDonation(buffer, carrier.ptr(), set_donation.ptr(), false) < 0)
-      PyErr_Clear();
-  }
 }
 
 // entry_consumed(entry) -> bool: whether the buffer of a released entry
@@ -347,16 +403,17 @@ py::tuple SettleEntries(py::list entries, bool certain) {
 
 void RegisterCommit(PyObject* module) {
   py::module_ m = py::reinterpret_borrow<py::module_>(module);
-  m.def("split_committed", &SplitCommitted, py::arg("tensors"), py::arg("records"),
-        py::arg("pending"));
-  m.def("pending_flags", &PendingFlagsOf, py::arg("tensors"));
-  m.def("arm", &Arm, py::arg("donors"));
-  m.def("disarm", &Disarm, py::arg("entries"));
+  py::list members;
+  for (const char* name : {"DONOR", "HELD", "COPY", "EXCESS", "UNREAD"})
+    members.append(py::make_tuple(name, members.size()));
+  m.attr("Split") = py::module_::import("enum").attr("IntEnum")(
+      "Split", members, py::arg("module") = "torch_xla_donate._C");
+  m.def("commit", &Commit, py::arg("only") = py::none());
+  m.def("screen", &ScreenOf, py::arg("entries"));
   m.def("release_unheld", &ReleaseUnheld, py::arg("donors"));
-  m.def("disarm_and_poison", &DisarmAndPoison, py::arg("donors"), py::arg("release") = false);
+  m.def("finish", &Finish, py::arg("donors"), py::arg("release") = false);
   m.def("entry_consumed", &EntryConsumed, py::arg("entry"));
   m.def("live_held", &LiveHeld, py::arg("items"), py::arg("reachable") = false);
-  m.def("disarm_held", &DisarmHeld, py::arg("items"), py::arg("carrier"), py::arg("set_donation"));
   m.def("settle_entries", &SettleEntries, py::arg("entries"), py::arg("certain"));
 }
 

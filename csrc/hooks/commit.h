@@ -1,20 +1,35 @@
-// The batch helpers of a commit (torch_xla_donate/_hooks/commit.py): each
-// replaces one Python loop over a step's donors and does what that loop
-// did, entry by entry.  Marking only records; `arm` sets torch_xla's donor
-// flag inside the execution that commits the marks, on the buffer each
-// tensor holds at that moment, and `disarm_and_poison` clears it as soon as
-// that execution has built its graph, unless a donor is kept by its buffer
-// alone: then the verdict, or the next execution's commit while the user
-// still holds the tensor, clears it (`live_held`, `disarm_held`), if the
-// buffer was not consumed.
+// The commit of a step's marks, natively: begin (the marks into a new
+// step), the split (the commit's rules, in one function: Judge), and after
+// the execution the poisoning and the verdicts' reads.  Python arms and
+// disarms torch_xla's donor flags (_hooks/commit.py) and words every
+// refusal: no call into Python per donor.
 #pragma once
 
 #include <Python.h>
 
+#include <cstdint>
+#include <vector>
+
+#include "lazy/lazy_reads.h"
+
 namespace torch_xla_donate {
 
-// Registers split_committed, arm, disarm, disarm_and_poison, live_held,
-// disarm_held and settle_entries on `module`.
+// How a commit decides a mark (values are Python's too, C.Split).
+enum class Split : int {
+  kDonor = 0,
+  kHeld,    // views, aliases or an autograd graph hold the tensor: Python judges them
+  kCopy,    // a live tensor the barrier backs with its buffer (a copy made in the step)
+  kExcess,  // more holders of the buffer than the donors sharing it account for
+  kUnread,  // its buffer cannot be read (no plain device data any more)
+};
+
+// For each of `facts` (the donors' reads, functional ones), the holders of
+// its buffer or XLA tensor beyond those the donors sharing that buffer
+// account for (0: none).  Donors of one buffer are judged together.
+std::vector<long> ExcessHolders(const std::vector<LazyFacts>& facts);
+
+// Registers commit, screen, finish, settle_entries, release_unheld,
+// live_held and entry_consumed on `module`.
 void RegisterCommit(PyObject* module);
 
 }  // namespace torch_xla_donate

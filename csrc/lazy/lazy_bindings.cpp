@@ -12,7 +12,9 @@
 #include <unordered_map>
 #include <vector>
 
+#include "base/py_types.h"
 #include "base/tensor_access.h"
+#include "hooks/commit.h"
 #include "lazy/lazy_reads.h"
 
 namespace py = pybind11;
@@ -83,49 +85,22 @@ py::object Holders(py::handle t, bool force) {
 }
 
 // The donors among `tensors` whose buffer, or XLA tensor, has holders
-// beyond those the donors sharing it account for: a list of (index, extra
-// holders), [] for none (the common case, no Python object per tensor),
-// None when any tensor's holders are unknown (Holders answers None).
-// Donors sharing one buffer are judged together: the buffer may have the
-// sum of their expected holders, and their XLATensor one owner each.
+// beyond those the donors sharing it account for (hooks/commit.h
+// ExcessHolders, which the commit asks): a list of (index, extra holders),
+// [] for none, None when any tensor's holders are unknown (Holders answers
+// None).
 py::object Excess(py::sequence tensors, bool force) {
-  struct Row {
-    uintptr_t key;
-    int64_t expected, actual, refs;
-  };
   const size_t n = py::len(tensors);
-  std::vector<Row> rows(n);
-  bool clean = true;
+  std::vector<LazyFacts> facts(n);
   for (size_t i = 0; i < n; ++i) {
-    LazyFacts f;
-    if (!ReadMaybeForced(tensors[i], force, &f) || !f.has_handle || !f.is_functional)
+    if (!ReadMaybeForced(tensors[i], force, &facts[i]) || !facts[i].has_handle ||
+        !facts[i].is_functional)
       return py::none();
-    // No live buffer (0): a group of its own.
-    rows[i] = {f.has_value ? f.buffer : 0, f.expected_holders, f.buffer_use_count,
-               f.xla_tensor_refcount};
-    clean = clean && f.only_own_holders();
   }
+  const std::vector<long> extra = ExcessHolders(facts);
   py::list over;
-  if (clean) return std::move(over);
-  std::unordered_map<uintptr_t, std::vector<size_t>> groups;
-  for (size_t i = 0; i < n; ++i) {
-    if (rows[i].key != 0) groups[rows[i].key].push_back(i);
-  }
-  for (size_t i = 0; i < n; ++i) {
-    std::vector<size_t> alone{i};
-    const std::vector<size_t>& members = rows[i].key != 0 ? groups[rows[i].key] : alone;
-    if (members.front() != i) continue;  // judged with the group's first member
-    int64_t allowed = 0, refs = 0;
-    for (size_t m : members) {
-      allowed += rows[m].expected;
-      refs = std::max(refs, rows[m].refs);
-    }
-    const int64_t extra =
-        std::max(rows[i].actual - allowed, refs - static_cast<int64_t>(members.size()));
-    if (extra > 0) {
-      for (size_t m : members) over.append(py::make_tuple(m, extra));
-    }
-  }
+  for (size_t i = 0; i < n; ++i)
+    if (extra[i] > 0) over.append(py::make_tuple(i, extra[i]));
   return std::move(over);
 }
 
@@ -224,6 +199,29 @@ void RegisterLazyReads(PyObject* module) {
         return LearnXlaTensorType(impl, &why) ? std::string() : why;
       },
       py::arg("tensor"), "Learns XLATensorImpl's type from a known XLA tensor: '' or why not.");
+  m.def(
+      "pending_flags",
+      [](py::list tensors) {
+        std::vector<char> flags;
+        Check(PendingFlags(tensors.ptr(), &flags));
+        py::list out;
+        for (char f : flags) out.append(py::bool_(f != 0));
+        return out;
+      },
+      py::arg("tensors"),
+      "Pending computation per XLA tensor (as _check_tensor_need_materialization); a tensor "
+      "the reader declines counts as pending (no plain device data).");
+  m.def(
+      "point_carrier",
+      [](py::handle carrier, py::handle entry) {
+        return PointCarrierAt(carrier.ptr(), EntryBuffer(entry.ptr()));
+      },
+      py::arg("carrier"), py::arg("entry"),
+      "Points `carrier` at the buffer a released entry keeps (lazy_tensor_of.h PointCarrier); "
+      "False, nothing changed, when it keeps none.");
+  m.def(
+      "restore_carrier", [](py::handle carrier) { return RestoreCarrier(carrier.ptr()); },
+      py::arg("carrier"), "Gives a pointed carrier its own handle back.");
   m.def("lazy_set_enabled", &SetLazyReadsEnabled, py::arg("on"));
   m.def("lazy_enabled", &LazyReadsEnabled);
   m.def(

@@ -22,6 +22,7 @@
 #include <cstdlib>
 #include <exception>
 #include <typeinfo>
+#include <unordered_map>
 
 #include "base/block_pool.h"
 #include "base/prefetch.h"
@@ -291,27 +292,35 @@ void PrefetchLazy(const uintptr_t* impls, size_t n) {
 
 void PrefetchHeldBuffer(const HeldBuffer* buffer) { __builtin_prefetch(buffer->data.get()); }
 
-int SetDonationThroughCarrier(const torch::lazy::BackendDataPtr& buffer, PyObject* carrier,
-                              PyObject* set_donation, bool flag) {
+namespace {
+// Each pointed carrier's own handle, while it points at another buffer.
+std::unordered_map<LazyTensor*, torch::lazy::BackendDataPtr> g_carried;
+}  // namespace
+
+bool PointCarrier(PyObject* carrier, const torch::lazy::BackendDataPtr& buffer) {
   const uintptr_t address = ImplAddress(carrier);
   bool functional = false;
   LazyTensor* lazy = address == 0 ? nullptr : XlaLazyTensorOf(address, &functional);
-  if (lazy == nullptr || !buffer) return 0;
+  if (lazy == nullptr || !buffer || g_carried.count(lazy)) return false;
   const std::shared_ptr<LazyTensor::Data>& data = lazy->data();
-  torch::lazy::BackendDataPtr own = data->handle;
+  g_carried.emplace(lazy, std::move(data->handle));
   data->handle = buffer;
-  PyObject* ok =
-      PyObject_CallFunctionObjArgs(set_donation, carrier, flag ? Py_True : Py_False, nullptr);
-  data->handle = std::move(own);
-  if (ok == nullptr) return -1;
-  const int accepted = ok == Py_True ? 1 : 0;
-  Py_DECREF(ok);
-  return accepted;
+  return true;
 }
 
-int SetHeldBufferDonation(const HeldBuffer* buffer, PyObject* carrier, PyObject* set_donation,
-                          bool flag) {
-  return SetDonationThroughCarrier(buffer->data, carrier, set_donation, flag);
+bool PointCarrierAt(PyObject* carrier, const HeldBuffer* buffer) {
+  return buffer != nullptr && PointCarrier(carrier, buffer->data);
+}
+
+bool RestoreCarrier(PyObject* carrier) {
+  const uintptr_t address = ImplAddress(carrier);
+  bool functional = false;
+  LazyTensor* lazy = address == 0 ? nullptr : XlaLazyTensorOf(address, &functional);
+  auto it = lazy == nullptr ? g_carried.end() : g_carried.find(lazy);
+  if (it == g_carried.end()) return false;
+  lazy->data()->handle = std::move(it->second);
+  g_carried.erase(it);
+  return true;
 }
 
 void SetLazyReadsEnabled(bool on) { g_enabled.store(on, std::memory_order_release); }

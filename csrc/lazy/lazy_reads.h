@@ -124,11 +124,11 @@ void DropBuffer(HeldBuffer* buffer);
 // Asks the CPU to start loading the held BackendData (py_types.h
 // PrefetchEntries); reads nothing but the HeldBuffer itself.
 void PrefetchHeldBuffer(const HeldBuffer* buffer);
-// The donor flag of the held buffer, set or cleared through the XLA tensor
-// `carrier` (lazy_tensor_of.h SetDonationThroughCarrier, same answers): a
-// released donor has no tensor of its own.
-int SetHeldBufferDonation(const HeldBuffer* buffer, PyObject* carrier, PyObject* set_donation,
-                          bool flag);
+
+// lazy_tensor_of.h PointCarrier at a held buffer, and the carrier's own
+// handle given back (false if it pointed nowhere).
+bool PointCarrierAt(PyObject* carrier, const HeldBuffer* buffer);
+bool RestoreCarrier(PyObject* carrier);
 
 // The process-wide switch the callers test (LazyReadsEnabled) before
 // reading; off until the self-test passes.

@@ -23,14 +23,13 @@ namespace torch_xla_donate {
 torch::lazy::LazyTensor* XlaLazyTensorOf(uintptr_t impl, bool* functional);
 
 // Points the XLA tensor `carrier` at `buffer` (its torch LazyTensor::Data
-// handle) for one call of `set_donation(carrier, flag)` (torch_xla's
-// `_set_buffer_donation`, which reads only the handle), then gives it its
-// own handle back, also when the call raises: the donor flag of a buffer no
-// tensor holds (auto donation's dead inputs, a donor released before its
-// execution).  1 when torch_xla accepted, 0 when it refused or `carrier` is
-// no readable XLA tensor, -1 with the Python error set when the call raised.
-int SetDonationThroughCarrier(const torch::lazy::BackendDataPtr& buffer, PyObject* carrier,
-                              PyObject* set_donation, bool flag);
+// handle, keeping its own aside) until RestoreCarrier: a buffer no tensor
+// holds (a dead step input, a donor released before a step that failed)
+// then takes torch_xla's `_set_buffer_donation(carrier, flag)`, which reads
+// only the handle.  Python makes that call in between (docs/design.md, "A
+// carrier tensor").  False, nothing changed, when `carrier` is no readable
+// XLA tensor, `buffer` is empty or the carrier points already.
+bool PointCarrier(PyObject* carrier, const torch::lazy::BackendDataPtr& buffer);
 
 // The `xla::device_data` op symbol (what a tensor's cached IR is when it
 // reads a buffer).

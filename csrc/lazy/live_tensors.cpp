@@ -146,16 +146,15 @@ bool DonorKeyOf(uintptr_t impl, DonorKey* key) {
 
 bool DonorKeyOfFacts(const LazyFacts& facts, DonorKey* key) {
   *key = DonorKey();
-  if (!facts.has_handle || facts.buffer == 0) return false;
+  if (facts.buffer == 0) return false;
   key->tensor_id = facts.tensor_id;
-  key->own_handle = true;
+  key->own_handle = facts.has_handle;
   key->buffer = facts.buffer;
   key->ir_node = facts.ir_is_device_data ? facts.ir_node : 0;
   return true;
 }
 
-bool SameStepCopies(const std::vector<DonorKey>& donors, std::vector<std::vector<int64_t>>* out,
-                    bool with_handles) {
+bool SameStepCopies(const std::vector<DonorKey>& donors, std::vector<std::vector<int64_t>>* out) {
   out->assign(donors.size(), {});
   using Key = std::pair<uintptr_t, size_t>;  // (node or buffer, donor index)
   // The thread's scratch (base/scratch.h): no block of malloc's per step.
@@ -174,7 +173,7 @@ bool SameStepCopies(const std::vector<DonorKey>& donors, std::vector<std::vector
     if (d.buffer == 0) continue;
     ids.push_back(d.tensor_id);
     buffers.emplace_back(d.buffer, i);
-    if (!d.own_handle) borrowed.emplace_back(d.buffer, i);
+    if (!d.own_handle || d.match_handle) borrowed.emplace_back(d.buffer, i);
     if (d.ir_node != 0) nodes.emplace_back(d.ir_node, i);
   }
   if (buffers.empty()) return LiveTensorArena() != 0;
@@ -199,12 +198,8 @@ bool SameStepCopies(const std::vector<DonorKey>& donors, std::vector<std::vector
   return ForEachLiveTensor([&](const LiveTensor& t) {
     if (t.handle != 0) {
       // Its own buffer: kept at the barrier, unless it is a donor's that
-      // has none (the donor is itself a copy of it), or, `with_handles`,
-      // any donor's.
-      if (with_handles)
-        record(buffers, t.handle, t.tensor_id);
-      else if (!borrowed.empty())
-        record(borrowed, t.handle, t.tensor_id);
+      // has none (the donor is itself a copy of it) or that matches handles.
+      if (!borrowed.empty()) record(borrowed, t.handle, t.tensor_id);
       return;
     }
     if (t.ir_node == 0 || !t.ir_is_device_data) return;  // pending: computed anew
@@ -267,12 +262,13 @@ void RegisterLiveTensors(PyObject* module) {
         for (size_t i = 0; i < n; ++i) {
           const uintptr_t impl = ImplAddress(py::object(donors[i]).ptr());
           read[i] = impl != 0 && DonorKeyOf(impl, &keys[i]);
+          keys[i].match_handle = with_handles;
         }
         std::vector<std::vector<int64_t>> found;
         bool on;
         {
           py::gil_scoped_release no_gil;
-          on = SameStepCopies(keys, &found, with_handles);
+          on = SameStepCopies(keys, &found);
         }
         if (!on) return py::none();
         // Sparse: nothing per donor that has no copy (every donor, mostly).

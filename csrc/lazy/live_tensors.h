@@ -76,24 +76,26 @@ struct DonorKey {
   uintptr_t buffer = 0;   // its buffer: its handle, or its device_data node's buffer
   uintptr_t ir_node = 0;  // its cached device_data node, 0 without
   bool own_handle = false;
+  // Look also for live tensors holding the buffer itself (without
+  // functionalization, whose holder counts cannot be read).
+  bool match_handle = false;
 };
 
 // The key of the XLA tensor at `impl` (the address `t._cdata` gives);
 // false when lazy_reads declines it or it reads no buffer (pending IR).
 bool DonorKeyOf(uintptr_t impl, DonorKey* key);
 
-// The same key from what ReadLazyFacts read of a tensor with a buffer of its
-// own (`facts.has_handle`), without reading it again; false without one.
+// The same key from what ReadLazyFacts read, without reading it again;
+// false when it read no buffer.
 bool DonorKeyOfFacts(const LazyFacts& facts, DonorKey* key);
 
 // For each donor, the ids of the live tensors other than the donors whose
 // value the barrier will take from the donor's buffer: a tensor without a
 // buffer of its own whose IR value is the donor's device_data node or any
 // device_data node of its buffer (a copy made since the last barrier), or
-// one holding the buffer itself (every donor's `with_handles`, else only a
-// donor's without a handle of its own).  False when the walk is off.
-bool SameStepCopies(const std::vector<DonorKey>& donors, std::vector<std::vector<int64_t>>* out,
-                    bool with_handles = false);
+// one holding the buffer itself (for a donor that `match_handle`s, or has
+// no handle of its own).  False when the walk is off.
+bool SameStepCopies(const std::vector<DonorKey>& donors, std::vector<std::vector<int64_t>>* out);
 
 // Registers live_* and same_step_copies on `module` (torch_xla_donate._C).
 void RegisterLiveTensors(PyObject* module);

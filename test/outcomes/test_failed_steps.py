@@ -187,27 +187,20 @@ def test_a_failing_step_never_poisons_an_input_it_gave_back(dev):
 
 
 def test_a_donor_let_go_before_a_failing_barrier_is_disarmed(dev, monkeypatch):
-    """A donor only its entry holds is let go before the real barrier
-    (commit.release_unheld); when that barrier fails, its buffer is no
-    tensor's but still armed: ``fail`` clears the flag through a carrier."""
-    from torch_xla_donate._base import reads
-    from torch_xla_donate._hooks import commit
+    """A donor only its entry holds is let go before the real barrier; when
+    that barrier fails, its buffer is no tensor's but still armed: ``fail``
+    clears the flag through a carrier (xla.set_unheld_flags)."""
+    from torch_xla_donate._base import xla
 
-    reads.tensor_id(torch.zeros(1).to(dev))  # the reads' self-test runs before the spy
-    real = commit.xla.real
+    real = xla.REAL["_set_buffer_donation"]
     seen = []
 
-    def spy_real(name):
-        fn = real(name)
-        if name != "_set_buffer_donation":
-            return fn
+    def set_donation(t, flag):
+        if t is next(iter(xla._carriers.values()), None):
+            seen.append((torch_xla._XLAC._get_buffer_donation(t), flag))
+        return real(t, flag)
 
-        def set_donation(carrier, flag):
-            seen.append((torch_xla._XLAC._get_buffer_donation(carrier), flag))
-            return fn(carrier, flag)
-        return set_donation
-
-    monkeypatch.setattr(commit.xla, "real", spy_real)
+    monkeypatch.setitem(xla.REAL, "_set_buffer_donation", set_donation)
 
     def step():
         p = materialize(torch.arange(float(N), device=dev))

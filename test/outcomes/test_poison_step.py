@@ -1,5 +1,5 @@
 """A commit poisons a whole step's donors in one native call
-(``C.disarm_and_poison``, csrc/outcomes/poison.cpp): each kind of tensor
+(``C.finish``, csrc/hooks/commit.cpp): each kind of tensor
 ends up as ``poison.poison`` leaves one, what a use raises, and what
 ``unpoison`` gives back.  The ledger's ``Record.shape_string`` (C++) names
 a tensor as ``dtypes.shape_string`` does.
@@ -32,11 +32,10 @@ KINDS = {
 
 def _committed(t):
     """``t`` marked and committed to a step: its (entry, record), in flight."""
-    C.mark(t, __file__, 1, tuple(t.shape), "f32", t.nbytes)
-    step, tensors, records = C.begin_step([t])
-    donors, held = C.split_committed(tensors, records, [False])
-    assert not held and len(donors) == 1
-    return donors, records[0]
+    tdx.donate_buffer(t)
+    step, donors, referred = C.commit([t])
+    assert not referred and len(donors) == 1
+    return donors, donors[0][1]
 
 
 def _state(t):
@@ -68,7 +67,7 @@ def test_a_committed_donor_and_a_companion_are_poisoned_alike(dev, kind):
     before = _state(committed)
     donors, record = _committed(committed)
     companion_donors, companion_record = _committed(companion)
-    C.disarm_and_poison(donors)
+    assert C.finish(donors)[1] == []
     poison.poison(companion, companion_record)
     assert _state(committed) == _state(companion)
     state = _state(committed)
@@ -109,7 +108,7 @@ def test_a_whole_step_of_donors_is_poisoned_alike_and_keeps_class_counts(dev, ki
         return sys.getrefcount(twin)
 
     counts = twin_counts()
-    assert C.disarm_and_poison(donors) == []
+    assert C.finish(donors)[1] == []
     states = [_state(t) for t in ts]
     assert all(state == states[0] for state in states) and states[0]["poisoned"]
     assert all(type(t) is twin for t in ts)

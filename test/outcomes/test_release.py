@@ -239,13 +239,13 @@ def test_dropped_poisoned_donors_are_gone_before_the_next_barrier_walks(dev, wai
     n = 6
     state = [materialize(torch.full((8,), float(i), device=dev)) for i in range(n)]
     live_at_commit = []
-    begin_fast = commit._begin_fast
+    begin_and_decide = commit.begin_and_decide
 
-    def counting(*args):
+    def counting(*args, **kwargs):
         live_at_commit.append(xla.live_tensor_count())
-        return begin_fast(*args)
+        return begin_and_decide(*args, **kwargs)
 
-    monkeypatch.setattr(commit, "_begin_fast", counting)
+    monkeypatch.setattr(commit, "begin_and_decide", counting)
     reused = _C.totals()["reused"]
     tdx.settle()
     with collector_off():

@@ -9,6 +9,8 @@ import torch
 import torch_xla
 import torch_xla.runtime
 
+from .native import C
+
 _XLAC = torch_xla._XLAC
 
 # torch_xla's own functions, taken before the plugin puts its trampolines in
@@ -53,6 +55,31 @@ def set_donor(t: torch.Tensor, donate: bool) -> bool:
     Only commit.py arms flags, inside an execution it commits.
     """
     return REAL["_set_buffer_donation"](t, donate)
+
+
+_carriers = {}
+
+
+def set_unheld_flags(device, point, count, flag) -> int:
+    """Sets torch_xla's donor flag to ``flag`` on ``count`` buffers no tensor
+    holds (dead step inputs; donors released before a step that failed),
+    through a carrier tensor of ``device``: ``point(carrier, i)`` points
+    its handle at the i-th buffer natively (csrc/lazy/lazy_tensor_of.h
+    PointCarrier), ``_set_buffer_donation`` takes it, and the carrier gets
+    its own handle back.  Returns how many torch_xla accepted."""
+    carrier = _carriers.get(str(device))
+    if carrier is None:
+        # Its own handle may be empty (host data until a barrier reads it):
+        # only the one pointed at is read.
+        carrier = _carriers[str(device)] = torch.zeros(1).to(device)
+    set_donation, accepted = REAL["_set_buffer_donation"], 0
+    for i in range(count):
+        if point(carrier, i):
+            try:
+                accepted += set_donation(carrier, flag)
+            finally:
+                C.restore_carrier(carrier)
+    return accepted
 
 
 def donor_flag(t: torch.Tensor) -> bool:
@@ -188,8 +215,4 @@ def increment_counter(name: str, value: int) -> bool:
 # What the native commit calls of torch_xla's and torch's: the package's
 # install step hands them over with the other layers' (``C.bind``,
 # _hooks/install.py).
-NATIVE_HOOKS = dict(
-    tensor_type=torch.Tensor,
-    set_donor=REAL["_set_buffer_donation"],
-    storage_use_count=torch._C._storage_Use_Count,  # of t.untyped_storage()._cdata
-)
+NATIVE_HOOKS = dict(tensor_type=torch.Tensor)

@@ -1,95 +1,24 @@
-"""Committing marks to an execution: one commit for the step barrier and
-for a ``torch.compile``d call (dynamo.py).
+"""Committing marks to an execution: a step barrier (``barrier_before`` and
+``barrier_after``, the two halves of its trampoline) and a compiled call
+(dynamo.py) run the same stages (docs/design.md, "The step's life"):
 
-Example (what a user's loop runs through; ``PJRT_DEVICE=CPU``)::
+1. ``begin_and_decide``: ``C.commit`` takes the marks into a new step and
+   judges each (csrc/hooks/commit.h, the rules in one function); Python
+   judges what it referred back (aliases, a moment's holders, copies) and
+   applies the switches;
+2. ``arm``: torch_xla's donor flag on each donor's buffer (a compiled call
+   arms its own way, dynamo.py);
+3. torch_xla builds its graph and runs it;
+4. ``finish`` (poison, verdicts in flight) or ``fail`` (values kept).
 
-    tdx.donate_buffer(p)             # marking only records
-    p = p * 0.9 + g
-    torch_xla.sync()                 # barrier_before, the real barrier, barrier_after
-
-Ours until committed
---------------------
-A mark is the plugin's alone until an execution commits it: torch_xla's
-buffer-donor flag is set only inside that execution, on the buffer the
-marked tensor holds at that moment.  So no torch_xla path the plugin does
-not see can take a marked buffer, whatever happened to the tensor in
-between (``t.copy_(s)``, ``swap_tensors``, ``mark_sharding``, a flush of
-pending work).
-
-Once torch_xla has built the execution's graph its donor set is fixed
-(clearing a flag then does not cancel the donation, measured on cached
-graphs too), and the flag matters only on a buffer the step did not consume:
-it must not fire at a later execution.  A donor its entry keeps is disarmed
-at once (``finish``).  One kept by its buffer alone (released, or poisoned
-and held weakly) keeps its flag: no graph can read that buffer but through
-a use of its poisoned tensor, which settles the verdict first, and a verdict
-that gives the value back clears the flag (``verdicts._keep``); every later
-execution's commit (a barrier's, a flush's, a compiled call's extraction)
-clears it too before its graph is built if the buffer still holds a value
-and the user still holds its tensor (``verdicts.disarm_in_flight``).  A
-consumed buffer's flag can arm nothing, and a released donor's buffer (or a
-weakened one's whose tensor died) is in no graph, so the step costs no
-torch_xla call to disarm, even while the step before is still running.
-
-The stages of a commit
-----------------------
-Both executions that take marks run the same stages, one function each
-(called with the hook lock held):
-
-1. ``begin``: take marks into a new step: a step barrier takes those of its
-   device, a compiled call those of its own arguments (the other marks wait
-   for their own execution);
-2. ``decide``: ``split`` the marks (a tensor updated in place since marking
-   is an output, not a donor; one whose buffer another live tensor holds
-   goes to ownership.py and sharing.py), then the switches: switched off
-   since marking (DISABLED) or the sync of a step block that raised
-   (STEP_FAILED), nothing is donated.  Every refusal is decided here, for
-   both executions;
-3. ``arm``: set torch_xla's donor flag on the buffer each donor holds.  A
-   step barrier arms at once (``arm``): its real barrier builds the graph
-   next.  A compiled call arms only while torch_xla's dynamo bridge
-   extracts an executable for the call's donation pattern (dynamo.py's
-   ``_arming``, between the bridge's hash and warm-up): an executable keeps
-   the donor set it was built with, so a call that runs a cached one sets
-   no flag;
-4. the execution builds its graph (fixing its donor set) and runs;
-5. ``finish``: poison the donors, clear the flags of those the entries
-   keep, leave the verdicts in flight (verdicts.py); or, when the execution
-   raised, ``fail``: clear the flags, note the failure and abandon the
-   donations (failures.py): STEP_FAILED, values kept.  A step's ending is
-   written there, and nowhere else.
-
-One pass for the common step
-----------------------------
-A step barrier whose donors are all plain (materialized, not updated since
-marking, no view, alias, autograd graph, copy or other holder of their
-buffer) runs stages 1 to 3 as one native pass (``C.commit_fast``,
-csrc/hooks/commit_fast.h): each donor's facts read once, the walk for
-copies made in the step, the flags armed.  Any donor that is not plain, or
-a flag torch_xla refuses, and the pass has changed nothing but begun the
-step: ``decide`` and ``arm`` then run as above and give their reasons.  A
-compiled call, several devices, a switch that refuses every donor, or the
-walk not in use always take the stages.
-
-Around the real barrier
------------------------
-``barrier_before`` runs begin, decide and arm for the barrier's device;
-``barrier_after`` runs finish, or fail.  They are the two halves of a
-native trampoline (``C.Trampoline``, see executions.py): torch_xla's own
-code runs between them with no frame of ours on the stack.  The hook lock
-is held from ``before`` to ``after``.
-
-Never in the user's way
------------------------
-The user's step must run whatever the plugin's checks do.  A check that
+The user's step must run whatever the plugin's checks do: a check that
 raises drops the step's marks (``undecided``: values kept, a warning says
-why); warnings are held back (messages.Notices) until the commit is whole,
-so a filter that turns them into errors raises after the step, with every
-donation settled.
+why), and warnings are held back (messages.Notices) until the commit is
+whole, so a filter that turns them into errors raises after the step.
 """
 import sys
 
-from .._base import arena, guards, reads, switches, xla
+from .._base import guards, switches, xla
 from .._base.errors import DroppedDonationWarning
 from .._base.lock import lock
 from .._base.messages import Notices
@@ -97,14 +26,15 @@ from .._base.native import C
 from .._outcomes import auto, failures, ownership, sharing, verdicts
 from .._outcomes import devices as _devices
 
-__all__ = ["barrier_before", "barrier_after", "begin", "decide", "undecided", "split", "arm",
-           "finish", "fail", "flush_before", "flush_after"]
+__all__ = ["barrier_before", "barrier_after", "begin_and_decide", "arm", "disarm", "finish",
+           "fail", "flush_before", "flush_after"]
+
+S = C.Split
 
 
 class _Commit:
     """What ``before`` hands ``after``: the barrier's device, step, the
-    donors whose flags are armed, and the warnings held back until the
-    commit is whole (messages.Notices)."""
+    armed donors, and the warnings held back until the commit is whole."""
 
     __slots__ = ("device", "step", "donors", "wait", "notices", "auto")
 
@@ -124,13 +54,9 @@ def barrier_before(device="", devices=(), wait=True, reset_scope=True, *, commit
     ``commits=False``: a flush that leaves the marks as they are.
     ``abandon=True``: the sync that ends a step block whose body raised: its
     marks are committed and abandoned (STEP_FAILED).
-
-    Never raises from the plugin's own checks: the user's step must run.  A
-    check that cannot decide drops the step's marks (values kept) with a
-    ``DroppedDonationWarning`` given after the barrier.
     """
     if commits:
-        auto.prepare()  # once, outside the lock: the reads' self-test runs graphs
+        auto.prepare()  # once, outside the lock
     lock.acquire()
     try:
         switches.refresh()
@@ -146,13 +72,8 @@ def barrier_before(device="", devices=(), wait=True, reset_scope=True, *, commit
         # be dispatching, and a buffer reads as deleted while XLA holds it for
         # a donation it may yet give back (see verdicts.py).
         notices = Notices()
-        step, tensors, records, donors = _begin_fast(here, abandon)
-        if donors is None:
-            try:
-                donors = arm(decide(tensors, records, notices, abandon=abandon), notices)
-            except Exception as error:  # the plugin's own check failed, not the step
-                donors = undecided(tensors, records, error, notices)
-        del tensors, records  # from here on only the entries refer to them
+        step, donors = begin_and_decide(_devices.marks_on(here), notices, abandon=abandon)
+        donors = arm(donors, notices)
         token = _Commit(here, step, donors, wait, notices)
         if not abandon:
             try:
@@ -161,68 +82,78 @@ def barrier_before(device="", devices=(), wait=True, reset_scope=True, *, commit
                 notices.add(DroppedDonationWarning, "Automatic donation skipped a step{at_step}"
                             f"{{items}}: {type(error).__name__}: {auto.braces_safe(error)}. Please "
                             "report this.", [])
-        release_unheld(donors)
+        if donors and xla.local_device_count() == 1:
+            # The donors nothing but their entry refers to (the loop rebound
+            # its names) go now, each entry keeping only its buffer: so
+            # torch_xla's barrier neither walks nor keeps them, as raw
+            # donation's die while tracing.  After auto.at_commit, whose
+            # search must see them held.
+            C.release_unheld(donors)
         return token
     except BaseException:
         lock.release()
         raise
 
 
-def _begin_fast(device, abandon):
-    """``begin`` for a step barrier, with ``decide`` and ``arm`` done in the
-    same native pass when every donor is plain (csrc/hooks/commit_fast.h):
-    (step, tensors, records, armed donors), the donors None when the stages
-    must decide.  The pass needs what ``sharing.screen`` reads natively (the
-    walk in use) and one device; a switch that refuses every donor
-    (DISABLED, STEP_FAILED) is the stages' to apply."""
-    if abandon or not switches.on() or xla.local_device_count() != 1 or not arena.in_use():
-        return (*begin(device=device), None)
-    return C.commit_fast()
-
-
-def begin(device=None, tensors=None):
-    """Takes marks into a new step: those of ``device`` (a step barrier's),
-    or those of ``tensors`` (a compiled call's arguments).  Returns (step,
-    tensors, records).  Called with the lock held."""
-    if tensors is None:
-        return _devices.begin_step_on(device)
-    return C.begin_step(tensors)
-
-
-def decide(tensors, records, notices, abandon=False) -> list:
-    """The donors of a step ``begin`` opened, not armed yet: ``split``, then
-    the switches.  ``abandon``: the sync that ends a step block whose body
-    raised.  May raise from the plugin's own checks: the caller then calls
-    ``undecided``.
+def begin_and_decide(only, notices, abandon=False):
+    """Takes the marks (all, or those of the tensors ``only``) into a new
+    step and decides them; returns (step, donors), the donors not armed.
+    Never raises from the plugin's own checks (see ``undecided``).
 
     The tricky case: a mark made before ``configure(enabled=False)``
     (marking itself does nothing while switched off) is refused by the
     execution that takes it, a step barrier or a compiled call alike:
     DISABLED, value kept.
     """
-    if tensors:  # the guards, once (no graph of their own): one that fails switches donation off
-        guards.decide(tensors[0])
-        switches.refresh()
-    donors = split(tensors, records, notices)
+    step, donors, referred = C.commit(only)
+    try:
+        if donors or referred:
+            # The guards, once, on a donor (no graph of their own): one that
+            # fails switches donation off.
+            guards.decide((donors or referred)[0][0])
+            switches.refresh()
+        donors += _judged(referred, notices)
+    except Exception as error:  # the plugin's own check failed, not the step
+        return step, undecided(donors + [e for e, _, _ in referred], error, notices)
     if donors and not switches.on():
         verdicts.abandon(donors, C.Verdict.DISABLED)  # switched off after marking
-        return []
+        return step, []
     if donors and abandon:
         verdicts.abandon(donors, C.Verdict.STEP_FAILED)
-        return []
-    return donors
+        return step, []
+    return step, donors
 
 
-def undecided(tensors, records, error, notices) -> list:
-    """A check of the commit raised: no flag stays armed, every mark of the
-    step not settled yet is dropped (DROPPED, value kept), and the warning
-    says why.  Returns no donor."""
-    for t in tensors:
-        try:
-            xla.set_donor(t, False)
-        except Exception:
-            pass  # not an XLA tensor: nothing was armed on it
-    dropped = [r for r in records if r.verdict == C.Verdict.IN_FLIGHT]
+def _judged(referred, notices) -> list:
+    """The entries ``C.commit`` referred back, judged: those that may be
+    donated after all, the others dropped (value kept, a warning)."""
+    donors = []
+    held = [e for e, split, _ in referred if split == S.HELD]
+    if held:
+        # Aliases and autograd graphs: a module's parameters sharing the
+        # storage go with the donation, a name the user holds blocks it
+        # (ownership.py); those let through get the buffer checks.
+        more, referred_again = C.screen(ownership.judge_at_commit(held, notices))
+        donors += more
+        referred = [r for r in referred if r[1] != S.HELD] + referred_again
+    excess = [e for e, split, _ in referred if split == S.EXCESS]
+    if excess:
+        # A moment's holders: autograd's worker thread, or the previous
+        # execution still dispatching with the buffer as its input.  Asked
+        # again once both are done, so the outcome never depends on timing.
+        ownership.settle_autograd(excess[0][0].device)
+        xla.wait_device_ops()
+        more, referred_again = C.screen(excess)
+        donors += more
+        referred = [r for r in referred if r[1] != S.EXCESS] + referred_again
+    return donors + sharing.drop_shared(referred, notices)
+
+
+def undecided(entries, error, notices) -> list:
+    """A check of the commit raised: every mark of the step not settled yet
+    is dropped (DROPPED, value kept), and the warning says why.  Returns no
+    donor."""
+    dropped = [r for _, r in entries if r.verdict == C.Verdict.IN_FLIGHT]
     verdicts.drop(dropped)
     if dropped:
         notices.add(
@@ -236,9 +167,35 @@ def undecided(tensors, records, error, notices) -> list:
     return []
 
 
+def arm(donors, notices) -> list:
+    """A step barrier's arming: sets the donor flag on the buffer each donor
+    holds now; returns the armed entries.  One torch_xla refuses (no plain
+    device data after all) is dropped.  A compiled call arms its donors
+    only while the bridge extracts an executable for them (dynamo.py)."""
+    if not donors:
+        return donors
+    set_donor = xla.real("_set_buffer_donation")
+    refused = [e for e in donors if not set_donor(e[0], True)]
+    if not refused:
+        return donors
+    ownership.drop(refused, "torch_xla refused them as donors: their values are not plain "
+                            "device data (a view, or a copy that has not run)", notices)
+    gone = {id(e) for e in refused}
+    return [e for e in donors if id(e) not in gone]
+
+
+def disarm(tensors) -> None:
+    """Clears torch_xla's donor flag on the buffer each tensor holds (a
+    consumed buffer keeps one nothing can read any more)."""
+    set_donor = xla.real("_set_buffer_donation")
+    for t in tensors:
+        if t is not None:
+            set_donor(t, False)
+
+
 def barrier_after(token, result, error):
-    """The second half of a step barrier: see the module docstring.  The
-    warnings held back are given last, once the lock is released."""
+    """The second half of a step barrier.  The warnings held back are given
+    last, once the lock is released."""
     try:
         if token is _FLUSH:
             return result
@@ -255,50 +212,21 @@ def barrier_after(token, result, error):
             token.notices.deliver(quietly=sys.exc_info()[1] is not None)
 
 
-def release_unheld(donors) -> None:
-    """Lets go of the armed donors nothing but their entry refers to (the
-    loop rebound its name), before the real execution: each entry keeps
-    only its buffer, the one thing its verdict reads, and the Python
-    tensor, its wrapper and its XLATensor die now, as raw donation's die
-    while tracing.  So torch_xla's barrier neither walks nor keeps them
-    (with them alive it costs about 1.6k instructions more per donor,
-    benchmarks/bench_instructions.py).  One device only: with several,
-    verdicts are split by the tensor's device.  After ``auto.at_commit``,
-    whose search must see the donors as held.
-
-    The donors of earlier steps still in flight went the same way at the
-    start of the barrier (``verdicts.release_unheld``), before the walk for
-    copies."""
-    if donors and xla.local_device_count() == 1:
-        C.release_unheld(donors)
-
-
 def finish(device, donors, notices, certain: bool) -> None:
-    """The end of every commit whose execution ran (a step barrier's, a
-    compiled call's), once its donor set is fixed: poison the donors the
-    user still holds and their companions, clear the flags of the donors
-    the entries keep (see "Ours until committed"), leave the verdicts in
-    flight.  ``certain``: the execution was waited for.
+    """The end of every commit whose execution ran, once its donor set is
+    fixed: poison the donors the user still holds and their companions,
+    disarm the flags of the donors the entries keep, leave the verdicts in
+    flight (``certain``: the execution was waited for).
 
-    A donor nothing but its entry refers to is not poisoned: no code can put
-    it into another graph.  With one device (and native reads on) it is let
-    go here, its entry keeping only its buffer for the verdict (the tensor
-    reads None from then on), so that it dies at the commit as raw
-    donation's die while tracing (csrc/hooks/commit.cpp).  A donor the user
-    still holds is poisoned, and its entry keeps the buffer and only a weak
-    reference to it: it dies when the loop drops it, as raw donation's do,
-    and a verdict that gives its value back still finds it while it lives.
-    (The entry keeps the poisoned inner tensor of a functional one until
-    then, and lets go of it at the next barrier: see
-    ``verdicts.release_unheld``.)
-    With several devices the entry keeps it: verdicts are split by the
-    tensor's device.  A donor
-    that cannot be poisoned does not stop the others: a ``TypeError`` naming
-    its class is held in ``notices`` and raised once the commit is whole
-    (the step's results are intact; operators on the tensor still raise
-    ``DonatedBufferError``, which the tensor torch_xla computes with carries).
+    With one device a donor nothing but its entry refers to is let go (its
+    entry keeps only its buffer), and one the user still holds is poisoned
+    and kept weakly, its flag left armed until its verdict: it dies when
+    the loop drops it, as raw donation's do (csrc/hooks/commit.cpp Finish).
+    A donor that cannot be poisoned does not stop the others: a
+    ``TypeError`` naming its class is raised once the commit is whole.
     """
-    failed = C.disarm_and_poison(donors, release=xla.local_device_count() == 1)
+    to_disarm, failed = C.finish(donors, release=xla.local_device_count() == 1)
+    disarm(to_disarm)
     if failed:
         notices.fail(_unpoisoned_error(failed))
     if ownership.companions_by_record:
@@ -307,21 +235,25 @@ def finish(device, donors, notices, certain: bool) -> None:
 
 
 def fail(donors, dead_inputs=None) -> None:
-    """The end of every commit whose execution raised (a step barrier's, a
-    compiled call's): no flag stays armed, the dead inputs armed with the
-    donors (``auto.at_commit``'s token) are let go, every step so far may
+    """The end of every commit whose execution raised: no flag stays armed,
+    the dead inputs armed with the donors are let go, every step so far may
     have failed (``failures.note_failure``: their open verdicts will not
-    read "unused"), and the donors settle STEP_FAILED, values kept, or
-    LOST if torch_xla lost the buffer (``verdicts.failed``).  Called with
-    the lock held.
+    read "unused"), and the donors settle STEP_FAILED, values kept, or LOST
+    if torch_xla lost the buffer.
 
-    The tricky case: a donor ``release_unheld`` let go before the execution.
-    Its buffer is no tensor's, but the failed step's pending outputs still
-    read it and the next barrier runs them again: its verdict clears its
-    flag (``verdicts._keep``), on the buffer its record keeps.
-    """
+    The tricky case: a donor ``release_unheld`` let go before the
+    execution.  Its buffer is no tensor's, but the failed step's pending
+    outputs still read it, and a partial sync of some of them
+    (``xm.unlazy``) would consume it under the others: its flag is cleared
+    through a carrier (``xla.set_unheld_flags``)."""
     auto.abandon(dead_inputs)
-    C.disarm(donors)  # the donors the entries hold; released ones by their verdict
+    disarm(e[0] for e in donors)
+    released = [e for e in donors if e[0] is None]
+    if released:
+        # Released with one device only: the thread's.
+        xla.set_unheld_flags(_devices.barrier_device(""),
+                             lambda carrier, i: C.point_carrier(carrier, released[i]),
+                             len(released), False)
     failures.note_failure()
     verdicts.failed(donors)
 
@@ -336,61 +268,6 @@ def _unpoisoned_error(failed) -> TypeError:
         f"DonatedBufferError, but Python code that only looks at the object will not be "
         f"told. Do not change the class of a tensor between donating it and the step."
     )
-
-
-def split(tensors, records, notices) -> list:
-    """Splits committed marks: returns the ``(tensor, record)`` entries that
-    stay donors, settling the others (updated in place, holders alive)."""
-    if not tensors:
-        return []
-    try:
-        pending = reads.pending_flags(tensors)
-    except Exception:
-        # Only junk put straight into the ledger (``C.mark(obj, ...)`` with
-        # something that is no XLA tensor) gets here: cancel it and go on, so
-        # that the step runs and the real marks stay consistent.
-        tensors, records = _cancel_junk(tensors, records)
-        pending = reads.pending_flags(tensors) if tensors else []
-    # Natively, per tensor: pending (updated in place after marking: an
-    # output, keep it) -> UPDATED_IN_PLACE; a view, alias or autograd graph
-    # holding it -> ``held``, for ownership.py; else a donor.
-    donors, held = C.split_committed(tensors, records, pending)
-    if held:
-        donors += ownership.judge_at_commit(held, notices)
-    # Buffers torch_xla shares between distinct tensors (sharing.py).
-    return sharing.screen(donors, notices)
-
-
-def arm(donors, notices) -> list:
-    """A step barrier's arming: sets the donor flag on the buffer each donor
-    holds now; returns the armed entries.  One torch_xla refuses (no plain
-    device data: its value is a view or pending after all) is dropped.
-
-    A compiled call arms its donors another way (dynamo.py's ``_arming``):
-    only while the bridge extracts an executable for them, as the flags
-    count only then.
-    """
-    if not donors:
-        return donors
-    armed, refused = C.arm(donors)
-    if refused:
-        ownership.drop(refused, "torch_xla refused them as donors: their values are not "
-                                "plain device data (a view, or a copy that has not run)",
-                       notices)
-    return armed
-
-
-def _cancel_junk(tensors, records):
-    """Settles DROPPED the committed entries that are not XLA tensors;
-    returns the others."""
-    keep_t, keep_r = [], []
-    for t, record in zip(tensors, records):
-        if xla.is_xla_tensor(t):
-            keep_t.append(t)
-            keep_r.append(record)
-        else:
-            verdicts.drop([record])
-    return keep_t, keep_r
 
 
 # -- Executions that commit nothing ----------------------------------------

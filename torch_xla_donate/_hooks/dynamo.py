@@ -15,8 +15,8 @@ arguments are donated):
 
 * a call commits the marks of its own arguments but those it only marks
   (the other marks wait for their own execution) through the stages a step
-  barrier's commit goes through (commit.py): ``commit.begin`` takes them,
-  ``commit.decide`` checks them and refuses them if switched off,
+  barrier's commit goes through (commit.py): ``commit.begin_and_decide``
+  takes and checks them and refuses them if switched off,
   ``commit.finish`` poisons the donors after the call and leaves their
   verdicts in flight (verdicts.py), and a call that raises ends in
   ``commit.fail`` (STEP_FAILED, values kept);
@@ -43,7 +43,7 @@ arguments are donated):
   a call donates nothing, not even its graph's own ops (they mark nothing,
   as eager marking; an executable without them is extracted), and warns
   ``DonationDisabledWarning`` once; a mark made before switching off is
-  refused by ``commit.decide`` at the call (DISABLED): the switch is read
+  refused by ``commit.begin_and_decide`` at the call (DISABLED): the switch is read
   at each call, not baked in when dynamo traced.
 
 A graph break splits a compiled function into several graphs.  A marked
@@ -101,7 +101,7 @@ class _CompiledGraph:
         on = switches.on()
         # The marks the call takes: its arguments' but those autograd will
         # need and those the graph only marks (each waits for the execution
-        # that reads it).  Switched off, commit.decide refuses them.
+        # that reads it).  Switched off, the commit refuses them.
         candidates = [i for i, a in enumerate(args) if xla.is_xla_tensor(a) and C.is_marked(a)
                       and not a.requires_grad and i not in self._carried]
         if self._static is None:  # the first call: learn the graph's own donors
@@ -135,7 +135,7 @@ class _CompiledGraph:
         return result
 
     def _begin_and_decide(self, args, candidates, notices, on):
-        """commit.begin and commit.decide for the marks of the call's
+        """``commit.begin_and_decide`` for the marks of the call's
         arguments ``candidates`` and, if ``on``, the graph's own donations
         (marked here, at the call); returns the donor entries.  Never raises
         from the plugin's own checks (see commit.barrier_before)."""
@@ -151,11 +151,7 @@ class _CompiledGraph:
                                                        if all(t is not args[i] for i in candidates)]
             if not tensors:
                 return []
-            _, tensors, records = commit.begin(tensors=tensors)
-            try:
-                return commit.decide(tensors, records, notices)
-            except Exception as error:  # the plugin's own check, not the call
-                return commit.undecided(tensors, records, error, notices)
+            return commit.begin_and_decide(tensors, notices)[1]
 
     def _variant(self, pattern, args, on, withheld=frozenset()):
         """Extracts the graph with the flags of ``pattern``'s arguments armed

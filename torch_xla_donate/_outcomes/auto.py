@@ -148,19 +148,6 @@ def require() -> None:
             "(tdx.donate_buffer / tdx.donate) instead.")
 
 
-def carrier(device):
-    """An XLA tensor of ``device`` whose handle native code points at a
-    buffer no tensor holds, for one ``_set_buffer_donation`` call (the dead
-    inputs here; a donor released before its execution, commit.py)."""
-    key = str(device)
-    carrier = _state["carriers"].get(key)
-    if carrier is None:
-        # Its own handle may be empty (host data until the next barrier):
-        # only the swapped-in one is read.
-        carrier = _state["carriers"][key] = torch.zeros(1).to(device)
-    return carrier
-
-
 def at_commit(device):
     """In a step barrier's commit, after the marked donors were armed: finds
     the dead inputs; open advisors record them (nothing is armed while one
@@ -198,8 +185,7 @@ def at_commit(device):
         return None
     if not inputs:
         return None
-    set_donation = xla.real("_set_buffer_donation")
-    found.arm(carrier(device), set_donation, True)
+    xla.set_unheld_flags(device, found.point, len(inputs), True)
     return found, inputs, device
 
 
@@ -209,7 +195,7 @@ def after_graph(token) -> None:
     if token is None:
         return
     found, inputs, device = token
-    found.arm(carrier(device), xla.real("_set_buffer_donation"), False)
+    xla.set_unheld_flags(device, found.point, len(inputs), False)
     with _lock:
         _totals["steps"] += 1
         _totals["armed"] += len(inputs)
@@ -220,8 +206,8 @@ def after_graph(token) -> None:
 def abandon(token) -> None:
     """The execution failed: disarm, release, count nothing."""
     if token is not None:
-        found, _, device = token
-        found.arm(carrier(device), xla.real("_set_buffer_donation"), False)
+        found, inputs, device = token
+        xla.set_unheld_flags(device, found.point, len(inputs), False)
         found.release()
 
 

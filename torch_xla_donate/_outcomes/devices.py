@@ -16,7 +16,7 @@ import torch
 from .._base import xla
 from .._base.native import C
 
-__all__ = ["barrier_device", "split_by_device", "begin_step_on", "dispatched", "dispatched_through"]
+__all__ = ["barrier_device", "split_by_device", "marks_on", "dispatched", "dispatched_through"]
 
 
 def barrier_device(device: str):
@@ -32,12 +32,12 @@ def split_by_device(entries, device):
     return mine, [e for e in entries if e[0].device != device]
 
 
-def begin_step_on(device):
-    """``C.begin_step()`` for the marks on ``device`` only: (step, tensors,
-    records)."""
+def marks_on(device):
+    """The tensors whose marks a barrier of ``device`` takes: None for all
+    (one device), else those on ``device``."""
     if xla.local_device_count() == 1:
-        return C.begin_step()
-    return C.begin_step([t for t in C.marked_tensors() if t.device == device])
+        return None
+    return [t for t in C.marked_tensors() if t.device == device]
 
 
 # The newest step known to be dispatched, per device (None: every device).

@@ -18,12 +18,12 @@ value kept, a ``DroppedDonationWarning`` naming the holder.
 """
 import torch
 
-from .._base import arena, reads, xla
+from .._base import reads, xla
 from .._base.dtypes import shape_string
 from .._base.native import C
 from . import ownership, poison
 
-__all__ = ["screen", "live_sharers", "note_graph_holds_inputs"]
+__all__ = ["drop_shared", "live_sharers", "note_graph_holds_inputs"]
 
 _WHY = (
     "it shares its device buffer with {names}: torch_xla backs copies made by "
@@ -60,61 +60,46 @@ _SAME_STEP = (
 )
 
 
-def screen(donors, notices) -> list:
-    """The committed donors that hold their buffer alone, or share it only
-    with other donors of the same step; the others are dropped (value kept,
-    a warning held in ``notices``).  ``donors`` are (tensor, record) entries.
-
-    Copies made in the step are found by the walk of torch_xla's live
-    tensors, other holders read from each buffer's holder count.  Without
-    functionalization the counts are unknown (torch_xla's own views hold
-    buffers the reader cannot see): the walk then also looks for live
-    tensors holding the donor's buffer itself.
-    """
-    if not donors:
-        return donors
-    tensors = [e[0] for e in donors]  # no unpacking: one item read per entry
-    counted = reads.excess(tensors) is not None
-    copies = arena.same_step_copies(tensors, with_handles=not counted)
-    if copies is None:
-        raise RuntimeError("torch_xla's live-tensor registry cannot be walked")
-    if copies:
-        donors = _drop_copies(donors, copies, notices, same_step=counted)
-        if not donors:
-            return donors
-        tensors = [e[0] for e in donors]  # no unpacking: one item read per entry
-    if not counted:
-        return donors
-    # Natively, with no Python object per donor: [] when every buffer has
-    # only the holders its donors account for (the common case).
-    over = reads.excess(tensors)
-    graph_holds_inputs = _graph_holds_inputs_at == C.current_step()
+def drop_shared(referred, notices) -> list:
+    """Drops the committed entries the commit's buffer checks referred back
+    (``C.commit``/``C.screen``: ``(entry, split, detail)``), naming each
+    holder Python can reach; returns those the step's own graph explains
+    (see ``note_graph_holds_inputs``), which may be donated after all."""
+    if not referred:
+        return []
+    S = C.Split
+    dropped, kept = {}, []
+    copies = [(e, ids) for e, split, ids in referred if split == S.COPY]
+    named = _names_of(set().union(*(ids for _, ids in copies))) if copies else {}
+    for entry, ids in copies:
+        holders = [named[h] for h in ids if h in named]
+        if len(holders) > 3:
+            holders = holders[:3] + [f"{len(holders) - 3} more"]
+        holder = (", ".join(holders) if holders else
+                  f"a tensor Python cannot reach (torch_xla tensor {ids[0]}: an autograd graph "
+                  f"or C++ code holds it)")
+        facts = reads.facts(entry[0])
+        functional = facts is not None and facts.is_functional
+        why = _SAME_STEP.format(holder=holder) if functional else _WHY.format(names=holder)
+        dropped.setdefault(why, []).append(entry)
+    over = [(e, extra) for e, split, extra in referred if split == S.EXCESS]
     if over:
-        # A moment's holders: autograd's worker thread, or the previous
-        # execution still dispatching with the buffer as its input.
-        ownership.settle_autograd(tensors[0].device)
-        xla.wait_device_ops()
-        over = reads.excess(tensors)
-    if not over:
-        return donors
-    counts = reads.holders(tensors)
-    dropped = {}
-    named = {} if xla.spmd() else _named_sharers([i for i, _ in over], tensors)
-    for i, extra in over:
-        names = named.get(i)
-        if not names and graph_holds_inputs and counts[i].xla_tensor_refs <= 1:
-            continue  # the step's own graph holds it (see note_graph_holds_inputs)
-        why = _WHY.format(names=names) if names else _CPP_HOLDERS.format(n=extra)
-        dropped.setdefault(why, []).append(donors[i])
-    return _drop_grouped(donors, dropped, notices)
-
-
-def _drop_grouped(donors, dropped, notices) -> list:
-    """Drops the entries of ``dropped`` (why -> entries); returns the rest."""
+        tensors = [e[0] for e, _ in over]
+        named = {} if xla.spmd() else _named_sharers(range(len(tensors)), tensors)
+        own_graph = _graph_holds_inputs_at == C.current_step()
+        for i, (entry, extra) in enumerate(over):
+            names = named.get(i)
+            if not names and own_graph and reads.holders([entry[0]])[0].xla_tensor_refs <= 1:
+                kept.append(entry)  # the step's own graph holds it
+                continue
+            why = _WHY.format(names=names) if names else _CPP_HOLDERS.format(n=extra)
+            dropped.setdefault(why, []).append(entry)
+    unread = [e for e, split, _ in referred if split == S.UNREAD]
+    if unread:
+        dropped.setdefault(_UNREAD, []).extend(unread)
     for why, entries in dropped.items():
         ownership.drop(entries, why, notices)
-    gone = {id(e) for entries in dropped.values() for e in entries}
-    return [e for e in donors if id(e) not in gone]
+    return kept
 
 
 # The step whose graph torch_xla's gradient_accumulation built (-1: none).
@@ -147,28 +132,6 @@ def _named_sharers(indices, tensors) -> dict:
     return out
 
 
-def _drop_copies(donors, copies, notices, same_step) -> list:
-    """Drops the donors whose ``copies`` (the walk's answer, index -> ids of
-    the live tensors holding or reading its buffer, None where the donor
-    could not be read) list a holder.  Returns the donors left."""
-    hits = {i: ids for i, ids in copies.items() if ids}
-    named = _names_of(set().union(*hits.values())) if hits else {}
-    dropped = {}
-    for i, ids in hits.items():
-        holders = [named[h] for h in ids if h in named]
-        if len(holders) > 3:
-            holders = holders[:3] + [f"{len(holders) - 3} more"]
-        holder = (", ".join(holders) if holders else
-                  f"a tensor Python cannot reach (torch_xla tensor {ids[0]}: an autograd graph "
-                  f"or C++ code holds it)")
-        why = _SAME_STEP.format(holder=holder) if same_step else _WHY.format(names=holder)
-        dropped.setdefault(why, []).append(donors[i])
-    unread = [donors[i] for i, ids in copies.items() if ids is None]
-    if unread:
-        dropped.setdefault(_UNREAD, []).extend(unread)
-    return _drop_grouped(donors, dropped, notices)
-
-
 def _names_of(tensor_ids) -> dict:
     """torch_xla tensor id -> the name of a live tensor Python can reach
     with that id (absent: none found)."""
@@ -187,21 +150,17 @@ def live_sharers(tensors, donors) -> list:
     its device buffer, apart from its own views and aliases (ownership.py
     judges those) and the step's other ``donors`` (donated with it)."""
     skip = {id(t) for t in donors}
-    candidates = [o for o in ownership.scan().tensors if id(o) not in skip and _is_live_xla(o)]
-    if candidates:
-        # Without pending work, and with a buffer: not consumed (a donor only
-        # the plugin's open verdicts still hold is not poisoned) nor still
-        # being computed (a fresh output shares nothing).
-        pending = xla.has_pending_ir(candidates)
-        candidates = [o for o, p in zip(candidates, pending) if not p and not xla.buffer_deleted(o)]
-    by_handle = {}
-    for o, handle in zip(candidates, _handles(candidates)):
-        if handle is not None:
-            by_handle.setdefault(handle, []).append(o)
+    by_key = {}
+    for o in ownership.scan().tensors:
+        if id(o) not in skip and _is_live_xla(o):
+            key = reads.buffer_key(o)  # 0: no live buffer (pending, consumed, computing)
+            if key:
+                by_key.setdefault(key, []).append(o)
     out = []
-    for t, handle in zip(tensors, _handles(tensors)):
+    for t in tensors:
         storage = ownership.storage_of(t)
-        out.append([o for o in by_handle.get(handle, ()) if ownership.storage_of(o) != storage])
+        out.append([o for o in by_key.get(reads.buffer_key(t) or -1, ())
+                    if ownership.storage_of(o) != storage])
     return out
 
 
@@ -213,20 +172,6 @@ def _is_live_xla(o) -> bool:
                 and not torch._C._dispatch_keys(o).has(torch._C.DispatchKey.Python))
     except RuntimeError:
         return False
-
-
-def _handles(tensors) -> list:
-    """The buffer handle of each tensor, None where torch_xla has none."""
-    try:
-        return list(xla.buffer_handles(tensors))
-    except RuntimeError:
-        out = []
-        for t in tensors:
-            try:
-                out.append(xla.buffer_handles([t])[0])
-            except RuntimeError:
-                out.append(None)
-        return out
 
 
 def _name(t) -> str:

@@ -275,36 +275,21 @@ def release_unheld() -> None:
 def disarm_in_flight(device) -> None:
     """Before an execution on ``device`` builds its graph: clears the donor
     flag that ``commit.finish`` left armed on the buffer of an in-flight
-    donation kept by its buffer alone, if that buffer still holds a value
-    (not consumed, or not yet) and the user still holds its tensor.  One
-    device only (commit.finish keeps buffers alone only then).  Called with
-    the lock held, before any flag of the execution is armed.
+    donation kept weakly, if that buffer still holds a value (not consumed,
+    or not yet) and the user still holds its tensor.  Called with the lock
+    held, before any flag of the execution is armed.
 
     The tricky case: a step still running (``sync(wait=False)``), whose
     donors' buffers hold their values until it consumes them.  A donor the
     commit released, or a weakened one whose tensor died since, leads no
-    graph to its buffer: nothing but its entry holds it, so it is left
-    alone, and a loop that rebinds its names, or drops the old tensors,
-    pays no torch_xla call here even when the step before has not run.  A
+    graph to its buffer: it is left alone, and a loop that rebinds its
+    names, or drops the old tensors, pays no torch_xla call here.  A
     weakened tensor the user still holds is cleared: ``_XLAC`` calls that
     take it straight to torch_xla (``_replace_xla_tensor``) do not meet its
-    poison.  (The graph of a failed step that runs again is ``fail``'s: its
-    verdicts clear those flags, ``_keep``.)"""
+    poison."""
     if _in_flight:
-        _disarm_held(_in_flight, device, reachable=True)
-
-
-def _disarm_held(items, device=None, reachable=False) -> None:
-    """Clears the flag ``commit.finish`` left armed on the buffer the record
-    of each of ``items`` (entries or records) keeps, where that buffer still
-    holds a value (with ``reachable``: and a tensor still leads to it),
-    through a carrier tensor of ``device`` (None: the thread's; buffers are
-    kept so with one device only), looked up only when there is one to
-    clear."""
-    live = C.live_held(items, reachable)
-    if live:
-        carrier = auto.carrier(device if device is not None else devices.barrier_device(""))
-        C.disarm_held(live, carrier, xla.real("_set_buffer_donation"))
+        for entry in C.live_held(_in_flight, True):
+            xla.set_donor(entry[0], False)
 
 
 def in_flight_count() -> int:
@@ -320,10 +305,11 @@ def _keep(t, record, verdict) -> None:
     An unused donation's caller warns (unused.py); a failed step's and a
     switched-off one's stay quiet (the failure, the switch are the news).
     """
-    # The buffer the record keeps (a released or weakened donor: one device)
-    # may still have the flag the commit left armed: cleared before anyone
-    # can read the value.
-    _disarm_held([record])
+    # A weakened donor's buffer may still have the flag the commit left
+    # armed: cleared before anyone can read the value.  (A released one's
+    # buffer leads no graph to it: its tensor died with its last holder.)
+    if t is not None and C.live_held([record]):
+        xla.set_donor(t, False)
     C.settle(record, verdict)
     if t is not None and poison.is_poisoned(t):
         poison.unpoison(t)

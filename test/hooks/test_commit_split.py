@@ -1,18 +1,10 @@
-"""The common step's commit in one native pass (csrc/hooks/commit_fast.h).
-
-``C.commit_fast`` begins the step and, when every donor is plain, checks,
-walks and arms them in one pass; otherwise it must have changed nothing
-but begun the step (no flag armed, no verdict settled), so that the Python
-stages (split, sharing.screen, arm) decide with their reasons.  Each test
-watches the pass through a spy on the commit's ``C``:
-
-* a plain step is taken by the pass, with the same outcome as the stages
-  give (poisoned donors, outputs in their buffers, values right);
-* each kind of holder sends the step to the stages, with nothing armed;
-* a flag torch_xla refuses half-way disarms the donors armed before it.
-
-Which path decides is not timed here: benchmarks/bench_instructions.py
-counts what the pass saves.
+"""The commit's split, natively, in one function (csrc/hooks/commit.cpp
+Judge, through ``C.commit``): a plain step's marks all come back donors;
+a donor with another holder is referred back (or, updated in place after
+marking, settled), never armed, and the others are donated; a flag
+torch_xla refuses is dropped alone.  Each test watches ``C.commit`` through
+a spy on the commit's ``C`` and checks the outcome: poisoned donors,
+outputs in their buffers, values right.
 """
 import warnings
 
@@ -23,18 +15,17 @@ import torch_xla.core.xla_model as xm
 from helpers import COPIES, buffer_ptr, materialize
 
 import torch_xla_donate as tdx
-from torch_xla_donate import _C
 from torch_xla_donate._base import arena, guards, xla
-from torch_xla_donate._hooks import commit, install
+from torch_xla_donate._hooks import commit
 from torch_xla_donate.errors import DroppedDonationWarning
 
 N = 8
 
 
 class _Spy:
-    """The commit's ``C`` with ``commit_fast`` watched: each call's donors
-    (None: sent to the stages) and the donor flags of its tensors right
-    after it returned."""
+    """The commit's ``C`` with ``commit`` watched: each call's donors and
+    referred entries, and the donor flags of its tensors right after it
+    returned (nothing is armed before Python's arm stage)."""
 
     def __init__(self, real):
         self._real, self.calls = real, []
@@ -42,23 +33,18 @@ class _Spy:
     def __getattr__(self, name):
         return getattr(self._real, name)
 
-    def commit_fast(self):
-        step, tensors, records, donors = self._real.commit_fast()
-        # The pass makes no list or Record object for the stages it spared:
-        # the entries make their records when asked.
-        assert (records is None) == (tensors is None) == (donors is not None)
-        pairs = list(zip(tensors, records)) if donors is None else [(t, r) for t, r in donors]
-        flags = [xla.donor_flag(t) for t, _ in pairs]
-        verdicts = [r.verdict for _, r in pairs]
-        if pairs:  # a barrier with marks
-            self.calls.append((donors is not None, flags, verdicts))
-        return step, tensors, records, donors
+    def commit(self, only=None):
+        step, donors, referred = self._real.commit(only)
+        entries = list(donors) + [e for e, _, _ in referred]
+        if entries:  # a barrier with marks
+            self.calls.append((len(donors), [split for _, split, _ in referred],
+                               [xla.donor_flag(e[0]) for e in entries]))
+        return step, donors, referred
 
 
 @pytest.fixture
 def spy(monkeypatch, dev):
-    # The walk is decided at the first barrier that donates: decide it now,
-    # so that every step below may take the pass.
+    # The guards decided at a first donation, before the spy watches.
     t = materialize(torch.ones(N, device=dev))
     tdx.donate_buffer(t)
     t = t * 2
@@ -83,7 +69,7 @@ def test_a_plain_step_is_committed_in_one_pass(spy, dev):
     old, state = state, [p * 3 for p in state]
     torch_xla.sync(wait=True)
     tdx.settle()
-    assert [taken for taken, _, _ in spy.calls] == [True]
+    assert [(n, referred, any(flags)) for n, referred, flags in spy.calls] == [(4, [], False)]
     assert all(tdx.is_deleted(p) for p in old)
     assert sorted(buffer_ptr(p) for p in state) == sorted(pointers)
     for p, want in zip(state, expected):
@@ -132,7 +118,7 @@ HOLDERS.update({f"a copy made in the step ({name})": _copy_in_the_step(make)
 
 
 @pytest.mark.parametrize("holder", list(HOLDERS), ids=list(HOLDERS))
-def test_a_donor_that_is_not_plain_sends_the_step_to_the_stages(spy, dev, holder):
+def test_a_donor_with_another_holder_is_referred_back_and_never_armed(spy, dev, holder):
     state = _state(dev)
     odd = state[1]
     if holder == "_replace_xla_tensor":
@@ -147,41 +133,34 @@ def test_a_donor_that_is_not_plain_sends_the_step_to_the_stages(spy, dev, holder
         torch_xla.sync(wait=True)
     tdx.settle()
     assert len(spy.calls) == 1
-    taken, flags, verdicts = spy.calls[0]
-    assert not taken, "the pass took a step with a donor that is not plain"
-    assert not any(flags), "the pass left a flag armed when it sent the step on"
-    assert all(v == _C.Verdict.IN_FLIGHT for v in verdicts), "the pass settled a verdict"
-    # The stages decided: the odd donor was not donated, the others were.
+    donors, referred, flags = spy.calls[0]
+    # Updated in place after marking: settled at once, neither donor nor referred.
+    assert donors == len(state) - 1 and len(referred) == (holder != "updated in place after marking")
+    assert not any(flags), "a flag was armed before the arm stage"
+    # Python judged what was referred: the odd donor was not donated, the others were.
     assert not tdx.is_deleted(odd)
     assert all(tdx.is_deleted(p) for i, p in enumerate(state) if i != 1)
     del kept, new
 
 
-def test_a_flag_refused_half_way_disarms_those_armed_before_it(spy, dev, monkeypatch):
+def test_a_flag_torch_xla_refuses_drops_that_donor_alone(spy, dev, monkeypatch):
     state = _state(dev)
     refused = state[2]
-    real = xla.NATIVE_HOOKS["set_donor"]
+    real = xla.REAL["_set_buffer_donation"]
 
     def set_donor(t, donate):
         if donate and t is refused:
             return False  # as torch_xla answers for a tensor that is no device data
         return real(t, donate)
 
-    monkeypatch.setitem(xla.NATIVE_HOOKS, "set_donor", set_donor)
-    install.bind_native()
-    try:
-        for p in state:
-            tdx.donate_buffer(p)
-        new = [p * 3 for p in state]
-        with pytest.warns(DroppedDonationWarning, match="torch_xla refused"):
-            torch_xla.sync(wait=True)
-        tdx.settle()
-    finally:
-        monkeypatch.undo()
-        install.bind_native()
-    taken, flags, _ = spy.calls[0]
-    assert not taken
-    assert not any(flags), "the donors armed before the refusal kept their flags"
+    monkeypatch.setitem(xla.REAL, "_set_buffer_donation", set_donor)
+    for p in state:
+        tdx.donate_buffer(p)
+    new = [p * 3 for p in state]
+    with pytest.warns(DroppedDonationWarning, match="torch_xla refused"):
+        torch_xla.sync(wait=True)
+    tdx.settle()
+    assert not xla.donor_flag(refused)
     assert not tdx.is_deleted(refused)
     assert [tdx.is_deleted(p) for i, p in enumerate(state) if i != 2] == [True] * 3
     del new
