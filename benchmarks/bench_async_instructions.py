@@ -45,7 +45,7 @@ def child(mode: str, hold: int, n: int, steps: int, helper: str) -> None:
 
     import torch_xla.core.xla_model as xm
 
-    from torch_xla_donate._hooks import install as step_hook
+    from torch_xla_donate import _hooks as step_hook
 
     counter = ctypes.CDLL(helper)
     if mode != "donate_buffer":

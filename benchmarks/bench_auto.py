@@ -38,8 +38,8 @@ def child(n: int, rounds: int, block: int) -> dict:
     import torch_xla.core.xla_model as xm
 
     import torch_xla_donate as tdx
-    from torch_xla_donate._base import xla as _xla
-    from torch_xla_donate._outcomes import auto
+    from torch_xla_donate import _xla
+    from torch_xla_donate import _auto as auto
 
     dev = torch_xla.device()
     others = [torch.full((16,), float(i)).to(dev) for i in range(n - STATE)]

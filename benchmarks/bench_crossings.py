@@ -91,7 +91,10 @@ def _trampoline_codes():
     exposes only ``real``)."""
     import inspect
 
-    from torch_xla_donate._hooks import commit, dynamo, executions, gradient_accumulation
+    from torch_xla_donate import _commit as commit
+from torch_xla_donate import _dynamo as dynamo
+from torch_xla_donate import _hooks as executions
+from torch_xla_donate import _hooks as gradient_accumulation
     codes = set()
     for module in (commit, dynamo, executions, gradient_accumulation):
         for name, fn in inspect.getmembers(module, inspect.isfunction):

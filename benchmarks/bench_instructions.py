@@ -69,7 +69,7 @@ def child(mode: str, n: int, steps: int, helper: str) -> None:
     import torch_xla.core.xla_model as xm
 
     import torch_xla_donate as tdx
-    from torch_xla_donate._hooks import install as step_hook
+    from torch_xla_donate import _hooks as step_hook
 
     counter = ctypes.CDLL(helper)
     xlac = torch_xla._XLAC

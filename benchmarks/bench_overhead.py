@@ -62,8 +62,8 @@ def child(n: int, rounds: int, block: int) -> dict:
 
     import torch_xla_donate as tdx
     from torch_xla_donate import _C
-    from torch_xla_donate._base import xla as _xla
-    from torch_xla_donate._hooks import install as step_hook
+    from torch_xla_donate import _xla
+    from torch_xla_donate import _hooks as step_hook
 
     dev = torch_xla.device()
     ts = [torch.full((16,), float(i), device=dev) for i in range(n)]

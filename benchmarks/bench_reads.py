@@ -33,7 +33,7 @@ def _rows():
     import torch_xla.core.xla_model as xm
 
     from torch_xla_donate import _C
-    from torch_xla_donate._base import guards
+    from torch_xla_donate import _guards as guards
 
     X = torch_xla._XLAC
     dev = torch_xla.device()

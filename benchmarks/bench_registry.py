@@ -37,15 +37,18 @@ def child(rounds):
     import torch_xla
     import torch_xla.core.xla_model as xm
 
-    from torch_xla_donate._base import arena, guards, xla
-    from torch_xla_donate._outcomes import ownership, sharing
+    from torch_xla_donate import _xla as arena
+from torch_xla_donate import _guards as guards
+from torch_xla_donate import _xla as xla
+    from torch_xla_donate import _holders as ownership
+from torch_xla_donate import _holders as sharing
 
     dev = torch_xla.device()
     donors = [torch.ones(16).to(dev) + i for i in range(DONORS)]
     torch_xla.sync()
     xm.wait_device_ops()
     guards.decide(donors[0])
-    assert arena.in_use(), guards.state("walk")
+    assert arena.walk_in_use(), guards.state("walk")
     others, rows = [], []
     for live in LIVE:
         while xla.live_tensor_count() < live:

@@ -36,8 +36,8 @@ def child(n: int, rounds: int, block: int) -> dict:
     import torch_xla.core.xla_model as xm
 
     import torch_xla_donate as tdx
-    from torch_xla_donate._base import xla as _xla
-    from torch_xla_donate._outcomes import sharing
+    from torch_xla_donate import _xla
+    from torch_xla_donate import _holders as sharing
 
     dev = torch_xla.device()
     ts = [torch.full((16,), float(i), device=dev) for i in range(n)]

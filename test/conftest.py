@@ -9,7 +9,6 @@ import torch_xla
 
 import torch_xla_donate as tdx
 from torch_xla_donate import _C
-from torch_xla_donate._outcomes import unused
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -44,14 +43,6 @@ def no_zombie_tensors(capfd):
     sys.stdout.write(out)
     sys.stderr.write(err)
     assert ZOMBIE_TENSOR not in err, "a tensor's Python object outlived its TensorImpl"
-
-
-@pytest.fixture(autouse=True)
-def fresh_unused_warnings():
-    """An unused donation warns once per line and shape per process
-    (_outcomes/unused.py): each test starts with nothing said yet, so a
-    parametrized test sees its warning in every case."""
-    unused.forget()
 
 
 @pytest.fixture(autouse=True)
@@ -120,7 +111,7 @@ def fast_path_open(dev):
     import torch_xla
 
     import torch_xla_donate as tdx
-    from torch_xla_donate._base.native import C
+    from torch_xla_donate._native import C
 
     probe = torch.ones(2, device=dev) + 0
     torch_xla.sync()
@@ -140,7 +131,7 @@ def native_reads(dev):
     import torch
     import torch_xla
 
-    from torch_xla_donate._base import guards
+    from torch_xla_donate import _guards as guards
 
     sample = torch.ones(2, device=dev) + 0
     torch_xla.sync()

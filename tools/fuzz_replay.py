@@ -32,8 +32,8 @@ import torch
 import torch_xla
 
 import torch_xla_donate as tdx
-from torch_xla_donate._base.native import C
-from torch_xla_donate._hooks import install
+from torch_xla_donate._native import C
+from torch_xla_donate import _hooks as install
 
 # The fuzzer's program, loaded from its file (the test suite is no package
 # this tool should put on the import path).

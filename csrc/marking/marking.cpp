@@ -282,6 +282,19 @@ void RegisterMarking(PyObject* module) {
   m.attr("Refusal") = py::module_::import("enum").attr("IntEnum")(
       "Refusal", members, py::arg("module") = "torch_xla_donate._C");
   m.def(
+      "shape_string",
+      [](py::handle t) -> std::string {
+        const uintptr_t impl = ImplAddress(t.ptr());
+        TensorFacts facts;
+        if (impl == 0 || !ReadTensorFacts(impl, &facts) || facts.symbolic_sizes)
+          throw py::type_error("shape_string() needs a tensor of a concrete shape");
+        Record r;
+        r.dtype = DtypeNameOf(facts.scalar_type);
+        r.shape = facts.sizes;
+        return r.ShapeString();
+      },
+      py::arg("tensor"), "The tensor's dtype and shape as XLA prints them (f32[2,3]).");
+  m.def(
       "classify_meta",
       [](py::handle t) {
         TensorFacts facts;

@@ -10,8 +10,8 @@ from helpers import materialize, run_python
 from torch_xla.experimental import gradient_accumulation as ga
 
 import torch_xla_donate as tdx
-from torch_xla_donate._base import compat as _compat
-from torch_xla_donate._hooks import executions
+from torch_xla_donate import _native as _compat
+from torch_xla_donate import _hooks as executions
 
 
 def _release():

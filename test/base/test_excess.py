@@ -1,24 +1,24 @@
-"""reads.excess (csrc/lazy/lazy_bindings.cpp ``Excess``): which donors have
+"""_xla.read_excess (csrc/hooks/commit.cpp ``ExcessHolders``): which donors have
 more buffer holders than the donors sharing their buffer account for,
 judged natively with no Python object per donor, kept in step with the
 Python reference below on the states test_lazy_reads.py builds."""
 import pytest
 from test_lazy_reads import _clean, _read_into_op, _replaced
 
-from torch_xla_donate._base import reads
+from torch_xla_donate import _xla as reads
 
 
 def _reference_excess(tensors):
     """``reads.excess`` in Python, from ``holders`` and ``buffer_key``: the
     reference the native one is kept in step with."""
-    counts = reads.holders(tensors)
+    counts = reads.read_holders(tensors)
     if any(c is None for c in counts):
         return None
     if all(c.actual <= c.expected and c.xla_tensor_refs <= 1 for c in counts):
         return []
     groups = {}
     for i, t in enumerate(tensors):
-        groups.setdefault(reads.buffer_key(t) or -i - 1, []).append(i)
+        groups.setdefault(reads.read_buffer_key(t) or -i - 1, []).append(i)
     over = []
     for members in groups.values():
         allowed = sum(counts[i].expected for i in members)
@@ -64,7 +64,7 @@ EXCESS = {
 @pytest.mark.usefixtures("native_reads")
 def test_excess_is_the_python_reference(case, dev):
     tensors, keep = EXCESS[case](dev)
-    native = reads.excess(tensors)
+    native = reads.read_excess(tensors)
     assert native == _reference_excess(tensors), case
     if case.startswith(("clone read", "replaced")) and "both" not in case:
         assert native, "the extra holder was not seen"

@@ -1,13 +1,10 @@
 """The package's layout keeps its rules: no import cycles (imports inside
-functions count), each private subpackage imports only those below it, the
-base imports nothing above it, marking never imports the hooks, and only
-``_base/native.py`` imports the native library.  Each verdict is set in one
-place (``C.settle`` only in ``_outcomes/verdicts.py``, REUSED only natively)
-and one module binds the native hooks (``C.bind``).
-
-Layers, lowest first: ``_base`` < ``_outcomes`` < ``_marking`` < ``_hooks``;
-the public face (``__init__``, ``errors``, ``report``) may import anything.
-Read from the source (``ast``), every ``import`` statement wherever it is.
+functions count), each module imports only those before it in ``ORDER``
+(docs/design.md, "Modules"), and only ``_native.py`` imports the native
+library.  Each verdict is set in one place (``C.settle`` only in
+``_verdicts.py``, REUSED only natively) and one module binds the native
+hooks (``C.bind``).  Read from the source (``ast``), every ``import``
+statement wherever it is.
 """
 import ast
 import collections
@@ -19,8 +16,12 @@ import pytest
 import torch_xla_donate
 
 ROOT = os.path.dirname(torch_xla_donate.__file__)
-LAYERS = ["_base", "_outcomes", "_marking", "_hooks"]
-PUBLIC = {"torch_xla_donate", "torch_xla_donate.errors", "torch_xla_donate.report"}
+# Every module, in the order it may be imported: each imports only those
+# before it.
+ORDER = ["errors", "_native", "_messages", "_xla", "_xla_cpu", "_guards", "_config", "_poison",
+         "_holders", "_auto", "_verdicts", "report", "_marking", "_trees", "_donating",
+         "_commit", "_dynamo", "_hooks", "", "__main__"]
+ORDER = ["torch_xla_donate" + (f".{m}" if m else "") for m in ORDER]
 
 
 def _modules():
@@ -65,9 +66,8 @@ def _imports(name, path):
 GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
 
 
-def _layer(name):
-    parts = name.split(".")
-    return LAYERS.index(parts[1]) if len(parts) > 1 and parts[1] in LAYERS else None
+def test_every_module_is_in_the_order():
+    assert sorted(MODULES) == sorted(ORDER)
 
 
 def test_the_import_graph_has_no_cycle():
@@ -92,31 +92,28 @@ def test_the_import_graph_has_no_cycle():
             visit(n)
 
 
-@pytest.mark.parametrize("name", sorted(n for n in GRAPH if _layer(n) is not None))
-def test_each_layer_imports_only_those_below_it(name):
-    mine = _layer(name)
-    above = {m for m in GRAPH[name] if _layer(m) is not None and _layer(m) > mine}
-    assert not above, f"{name} ({LAYERS[mine]}) imports {sorted(above)} from a layer above"
-    public = GRAPH[name] & PUBLIC
-    assert not public, f"{name} imports the public face {sorted(public)}"
+@pytest.mark.parametrize("name", ORDER)
+def test_each_module_imports_only_those_before_it(name):
+    mine = ORDER.index(name)
+    later = {m for m in GRAPH.get(name, ()) if m in ORDER and ORDER.index(m) > mine}
+    assert not later, f"{name} imports {sorted(later)}, which come after it"
 
 
 def test_only_native_imports_the_extension():
     importers = sorted(n for n, deps in GRAPH.items() if any(d.endswith("._C") for d in deps))
-    assert importers == ["torch_xla_donate._base.native"]
+    assert importers == ["torch_xla_donate._native"]
 
 
 def test_the_checker_sees_relative_and_function_level_imports(tmp_path):
     """The rules would pass vacuously if imports were missed."""
-    assert "torch_xla_donate._base.native" in GRAPH["torch_xla_donate._base.guards"]
-    assert "torch_xla_donate._outcomes.verdicts" in GRAPH["torch_xla_donate._outcomes.report"]
-    assert GRAPH["torch_xla_donate._marking.trees"] >= {
-        "torch_xla_donate._marking.refusals", "torch_xla_donate._outcomes.poison"}
-    source = "def f():\n    from .._hooks import commit\n"
+    assert "torch_xla_donate._native" in GRAPH["torch_xla_donate._guards"]
+    assert "torch_xla_donate._verdicts" in GRAPH["torch_xla_donate.report"]
+    assert GRAPH["torch_xla_donate._trees"] >= {
+        "torch_xla_donate._marking", "torch_xla_donate._poison"}
+    source = "def f():\n    from . import _commit as commit\n"
     path = tmp_path / "probe.py"
     path.write_text(source)
-    assert _imports("torch_xla_donate._marking.probe", str(path)) == {
-        "torch_xla_donate._hooks.commit"}
+    assert _imports("torch_xla_donate.probe", str(path)) == {"torch_xla_donate._commit"}
 
 
 # -- Calls into the native library that only one place may make --------------
@@ -152,7 +149,7 @@ def _verdict_named(call):
 
 
 def test_only_verdicts_settles_a_record():
-    assert set(_native_calls("settle")) == {"torch_xla_donate._outcomes.verdicts"}
+    assert set(_native_calls("settle")) == {"torch_xla_donate._verdicts"}
 
 
 def test_each_verdict_is_set_by_one_function():
@@ -184,5 +181,5 @@ def test_reused_is_settled_natively_in_one_place():
 
 def test_one_module_binds_the_native_hooks():
     binds = _native_calls("bind")
-    assert list(binds) == ["torch_xla_donate._hooks.install"]
-    assert len(binds["torch_xla_donate._hooks.install"]) == 1
+    assert list(binds) == ["torch_xla_donate._hooks"]
+    assert len(binds["torch_xla_donate._hooks"]) == 1

@@ -1,8 +1,10 @@
-"""reads (csrc/lazy/lazy_reads.h and _base/reads.py): the native reads give
+"""reads (csrc/lazy/lazy_reads.h, read through _xla.py): the native reads give
 torch_xla's own answers (``_XLAC``, the reference here), in every state a
 tensor can be in; they count the holders of a buffer; the guard declines
 what it cannot read; a guard that disagrees switches donation off.
 """
+import types
+
 import pytest
 import torch
 import torch_xla
@@ -10,7 +12,9 @@ import torch_xla.core.xla_model as xm
 from helpers import Wrapper, materialize, run_python
 
 from torch_xla_donate import _C
-from torch_xla_donate._base import guards, reads, xla
+from torch_xla_donate import _guards as guards
+from torch_xla_donate import _xla as reads
+from torch_xla_donate import _xla as xla
 
 X = torch_xla._XLAC
 # torch_xla 2.7's owner query takes the output tensors only; 2.8 added the
@@ -28,7 +32,11 @@ def _owner_query(t):
 
 @pytest.fixture
 def R(dev, native_reads):
-    return reads
+    """The native reads, by what each answers."""
+    return types.SimpleNamespace(
+        tensor_id=_C.lazy_tensor_id, is_pending=_C.lazy_is_pending,
+        is_consumed=_C.lazy_is_consumed, buffer_key=reads.read_buffer_key,
+        owner_ids=reads.read_owner_ids, holders=reads.read_holders, facts=reads.read_facts)
 
 
 def _donated(dev):
@@ -176,7 +184,7 @@ def test_the_native_read_declines_what_it_cannot_read(make, dev, native_reads):
     assert _C.lazy_tensor_id(t) is None and _C.lazy_holders([t]) == [None]
     if t.device.type == "xla" and type(t) is torch.Tensor:
         # No plain device data: pending, for marking and the commit alike.
-        assert _C.pending_flags([t]) == [True] and reads.pending_flags([t]) == [True]
+        assert _C.pending_flags([t]) == [True] and reads.read_pending([t]) == [True]
     else:
         with pytest.raises(TypeError, match="takes XLA tensors"):
             _C.pending_flags([t])
@@ -206,7 +214,7 @@ import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as met
 import torch_xla_donate as tdx
 from torch_xla_donate import _C
-from torch_xla_donate._base import guards
+from torch_xla_donate import _guards as guards
 assert guards.state("reads") == "not decided yet"
 assert not torch_xla._XLAC._xla_runtime_is_initialized(), "import started the runtime"
 {setup}
@@ -286,7 +294,9 @@ _NO_FUNCTIONALIZATION = """
 import torch, torch_xla
 import torch_xla.core.xla_model as xm
 from torch_xla_donate import _C
-from torch_xla_donate._base import guards, reads, xla
+from torch_xla_donate import _guards as guards
+from torch_xla_donate import _xla as reads
+from torch_xla_donate import _xla as xla
 X = torch_xla._XLAC
 dev = torch_xla.device()
 def sync(): torch_xla.sync(); xm.wait_device_ops()
@@ -297,13 +307,13 @@ pending = base * 2
 stale = base[0:2]; base.add_(1)     # a view with an update pending
 guards.decide(copy)
 for t in (copy, pending):
-    n = [reads.tensor_id(t), reads.is_pending(t)]
+    n = [_C.lazy_tensor_id(t), _C.lazy_is_pending(t)]
     assert n == [X._xla_get_tensor_id(t), X._check_tensor_need_materialization([t])[0]], n
 for t in (base, v, stale):  # torch_xla's own views (base is one now): no plain device data
-    assert reads.tensor_id(t) is None and reads.pending_flags([t]) == [True]
+    assert reads.tensor_id(t) is None and reads.read_pending([t]) == [True]
     assert X._check_tensor_need_materialization([t]) == [True]
 sync()
-assert reads.holders([base, copy]) == [None, None]  # torch_xla's views hold buffers unseen
+assert reads.read_holders([base, copy]) == [None, None]  # torch_xla's views hold buffers unseen
 print("PATH:", guards.state("reads"))
 print("FUNCTIONAL:", [_C.lazy_facts(t)[0] for t in (copy,) if _C.lazy_facts(t)])
 """
@@ -321,7 +331,7 @@ def test_without_functionalization_reads_agree():
 _FIRST_DONATION = """
 import torch, torch_xla
 import torch_xla_donate as tdx
-from torch_xla_donate._base import guards
+from torch_xla_donate import _guards as guards
 dev = torch_xla.device()
 p = torch.ones(64, device=dev) * 2; q = torch.ones(64, device=dev) * 3
 g = torch.ones(64, device=dev)

@@ -1,5 +1,5 @@
 """torch_xla's live-tensor registry, walked natively (csrc/lazy/live_tensors.h
-and _base/arena.py): the walk sees what torch_xla's own walk sees, finds the
+and _xla.py): the walk sees what torch_xla's own walk sees, finds the
 copies a barrier would back with a donor's buffer and nothing else, and its
 guards leave it off when the arena cannot be found or trusted.
 
@@ -12,15 +12,18 @@ import torch
 import torch_xla
 from helpers import COPIES, collector_off, materialize, run_python
 
-from torch_xla_donate._base import arena, guards, reads, xla
-from torch_xla_donate._base.native import C
+from torch_xla_donate import _xla as arena
+from torch_xla_donate import _guards as guards
+from torch_xla_donate import _xla as reads
+from torch_xla_donate import _xla as xla
+from torch_xla_donate._native import C
 
 
 @pytest.fixture
 def walk(dev):
     t = materialize(torch.randn(8, 8).to(dev))
     guards.decide(t)  # the first mark decides the guards
-    assert arena.in_use(), guards.state("walk")
+    assert arena.walk_in_use(), guards.state("walk")
     return t
 
 
@@ -113,7 +116,7 @@ def test_after_the_barrier_a_copy_holds_a_buffer_of_its_own_kind(walk):
     torch_xla.sync()
     # It now shares the buffer as a handle (holder counts see that), not as IR.
     assert arena.same_step_copies([walk]) == {}
-    assert reads.buffer_key(c) == reads.buffer_key(walk)
+    assert reads.read_buffer_key(c) == reads.read_buffer_key(walk)
 
 
 def test_an_unreadable_donor_is_none(walk):
@@ -123,12 +126,13 @@ def test_an_unreadable_donor_is_none(walk):
 _GUARD = """
 import torch, torch_xla, warnings
 import torch_xla_donate as tdx
-from torch_xla_donate._base import arena, guards
+from torch_xla_donate import _xla as arena
+from torch_xla_donate import _guards as guards
 {setup}
 dev = torch_xla.device()
 t = torch.randn(8, 8).to(dev)
 torch_xla.sync()
-print("IN USE:", guards.decide(t) and arena.in_use())
+print("IN USE:", guards.decide(t) and arena.walk_in_use())
 print("STATE:", guards.state("walk"))
 print("SUMMARY:", [l for l in str(tdx.summary()).splitlines() if "registry" in l][0])
 print("METRICS:", tdx.metrics_report().split("LiveTensorRegistry\\n  Value: ")[1].splitlines()[0])
@@ -156,7 +160,7 @@ def _guarded(setup="", env=None):
 GUARDS = {
     "a symbol the library lacks": ("arena.SYMBOL = b'_ZZN9torch_xla6NoSuchE5arena'", None,
                                    "is not in"),
-    "a count torch_xla disagrees with": ("arena.xla.live_tensor_count = lambda: -1", None,
+    "a count torch_xla disagrees with": ("arena.live_tensor_count = lambda: -1", None,
                                          "the walk counts"),
 }
 

@@ -14,7 +14,7 @@ import torch_xla
 from helpers import materialize, run_python
 
 import torch_xla_donate as tdx
-from torch_xla_donate._base.native import C
+from torch_xla_donate._native import C
 
 N = 32  # tensors per step: one handover's worth
 
@@ -67,7 +67,7 @@ def test_a_buffer_that_keeps_its_value_is_freed_at_once(dev):
 _LOOP = """
 import torch, torch_xla
 import torch_xla_donate as tdx
-from torch_xla_donate._base.native import C
+from torch_xla_donate._native import C
 
 def loop(n, steps=3):
     dev = torch_xla.device()
@@ -88,7 +88,7 @@ def test_exit_frees_what_is_queued_and_stops_the_reaper():
         import atexit
 
         def report():
-            from torch_xla_donate._base.native import C
+            from torch_xla_donate._native import C
             s = C.reaper_stats()
             print("AT EXIT", s["pending"], s["stopped"], s["queued"] > 0)
 

@@ -12,7 +12,8 @@ import pytest
 import torch_xla
 from helpers import run_python
 
-from torch_xla_donate._base import compat, xla_cpu
+from torch_xla_donate import _native as compat
+from torch_xla_donate import _xla_cpu as xla_cpu
 
 # torch_xla 2.9's XLA:CPU has XNNPACK on by default, 2.7's and 2.8's off.
 ON_BY_DEFAULT = xla_cpu.on_by_default(torch_xla.__version__)
@@ -46,7 +47,7 @@ with warnings.catch_warnings(record=True) as caught:
 stale = [str(w.message) for w in caught if issubclass(w.category, tdx.StaleReadWarning)]
 option_files = glob.glob(os.path.join({dump!r}, "*.debug_options"))
 options = "".join(open(f).read() for f in option_files)
-from torch_xla_donate._base import xla_cpu
+from torch_xla_donate import _xla_cpu as xla_cpu
 print(json.dumps({{"state": xla_cpu.state(), "flags": os.environ.get("XLA_FLAGS", ""),
                   "stale": stale, "fast": fast, "log": records,
                   "reused": [tdx.is_deleted(a), tdx.is_deleted(b)], "dumped": bool(option_files),

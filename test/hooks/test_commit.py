@@ -13,7 +13,7 @@ import torch_xla.distributed.parallel_loader as pl
 from helpers import buffer_ptr, materialize
 
 import torch_xla_donate as tdx
-import torch_xla_donate._outcomes.verdicts
+import torch_xla_donate._verdicts
 from torch_xla_donate import _C
 
 
@@ -273,9 +273,9 @@ def test_donors_the_user_dropped_are_judged_but_not_poisoned(dev):
     del dropped
     torch_xla.sync(wait=False)
     step = _C.current_step()
-    in_flight = [t for t, _ in torch_xla_donate._outcomes.verdicts._in_flight]
-    assert len(in_flight) == 2 and torch_xla_donate._outcomes.poison.is_poisoned(kept)
-    assert [torch_xla_donate._outcomes.poison.is_poisoned(t) for t in in_flight if t is not kept] == [False]
+    in_flight = [t for t, _ in torch_xla_donate._verdicts._in_flight]
+    assert len(in_flight) == 2 and torch_xla_donate._poison.is_poisoned(kept)
+    assert [torch_xla_donate._poison.is_poisoned(t) for t in in_flight if t is not kept] == [False]
     del in_flight
     tdx.settle()
     r = tdx.last_step_report(step)
@@ -303,7 +303,7 @@ def test_nn_parameter_is_poisoned_in_place(dev):
 @pytest.fixture
 def broken_judgement(monkeypatch):
     """The holders' judgement raises, as an unforeseen tensor might make it."""
-    from torch_xla_donate._outcomes import ownership
+    from torch_xla_donate import _holders as ownership
 
     def judge(t):
         raise RuntimeError("an unforeseen tensor")

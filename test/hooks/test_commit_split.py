@@ -15,8 +15,10 @@ import torch_xla.core.xla_model as xm
 from helpers import COPIES, buffer_ptr, materialize
 
 import torch_xla_donate as tdx
-from torch_xla_donate._base import arena, guards, xla
-from torch_xla_donate._hooks import commit
+from torch_xla_donate import _xla as arena
+from torch_xla_donate import _guards as guards
+from torch_xla_donate import _xla as xla
+from torch_xla_donate import _commit as commit
 from torch_xla_donate.errors import DroppedDonationWarning
 
 N = 8
@@ -49,7 +51,7 @@ def spy(monkeypatch, dev):
     tdx.donate_buffer(t)
     t = t * 2
     torch_xla.sync(wait=True)
-    assert arena.in_use(), guards.state("walk")
+    assert arena.walk_in_use(), guards.state("walk")
     watched = _Spy(commit.C)
     monkeypatch.setattr(commit, "C", watched)
     return watched

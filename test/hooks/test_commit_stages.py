@@ -27,7 +27,7 @@ from helpers import materialize
 
 import torch_xla_donate as tdx
 from torch_xla_donate import _C
-from torch_xla_donate._hooks import dynamo
+from torch_xla_donate import _dynamo as dynamo
 
 N = 64
 UNALLOCATABLE_ELEMENTS = 2**46  # float32: 2**48 bytes, refused at once

@@ -227,7 +227,7 @@ def test_an_input_that_needs_its_gradient_is_left_for_the_step_barrier(dev):
 
 
 def test_a_failing_compiled_call_keeps_its_donations(dev, monkeypatch):
-    from torch_xla_donate._hooks import dynamo
+    from torch_xla_donate import _dynamo as dynamo
 
     def failing_variant(graph, pattern, args, on, withheld=frozenset()):
         graph._static = frozenset()
@@ -310,7 +310,7 @@ def test_an_extraction_arms_only_once_earlier_live_flags_are_cleared(dev, monkey
     # the next commit (commit.py, "Ours until committed"); an extraction,
     # whose executable keeps the donor set of the flags armed then, clears
     # it before arming its own.
-    from torch_xla_donate._hooks import dynamo
+    from torch_xla_donate import _dynamo as dynamo
 
     x, p, g = materialize(torch.arange(5.0, device=dev), *_pair(dev))
     tdx.donate_buffer(x)  # no output of the step can take it

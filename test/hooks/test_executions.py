@@ -12,7 +12,7 @@ from helpers import buffer_ptr, materialize, run_python
 
 import torch_xla_donate as tdx
 from torch_xla_donate import _C
-from torch_xla_donate._hooks import install as step_hook
+from torch_xla_donate import _hooks as step_hook
 
 _flag = torch_xla._XLAC._get_buffer_donation
 

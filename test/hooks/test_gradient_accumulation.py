@@ -10,9 +10,9 @@ from helpers import buffer_ptr, materialize, settled_sync
 from torch_xla.experimental import gradient_accumulation as _ga
 
 import torch_xla_donate as tdx
-from torch_xla_donate._base import compat as _compat
-from torch_xla_donate._base.compat import call_gradient_accumulation
-from torch_xla_donate._hooks import gradient_accumulation as integrations
+from torch_xla_donate import _native as _compat
+from torch_xla_donate._native import call_gradient_accumulation
+from torch_xla_donate import _hooks as integrations
 
 
 def gradient_accumulation(train_step, iterable_tensors, model, *carried):
@@ -165,13 +165,13 @@ def test_parameter_donated_after_the_call_may_be_replaced(dev):
 def test_without_the_guard_a_donated_parameter_is_destroyed(dev):
     """Why the guard exists: torch_xla alone lets the loop consume it."""
     model, data, target, acc = _setup(dev)
-    integrations.uninstall()
+    integrations._uninstall_gradient_accumulation()
     try:
         tdx.donate_buffer(model.weight)
         gradient_accumulation(_train_step(model), (data, target), model, acc)
         torch_xla.sync()
     finally:
-        integrations.install()
+        integrations._install_gradient_accumulation()
     if _compat.release(torch_xla.__version__) >= (2, 8):
         assert tdx.is_deleted(model.weight)
         with pytest.raises(tdx.DonatedBufferError):
@@ -202,15 +202,15 @@ def test_donated_iterable_tensor_is_not_consumed_by_the_inner_sync(dev):
 def test_guard_is_installed_on_import_and_idempotent():
     from torch_xla.experimental import gradient_accumulation as module
 
-    assert integrations.installed()
+    assert hasattr(module._gradient_accumulation, "__torch_xla_donate_original__")
     wrapped = module._gradient_accumulation
-    integrations.install()
+    integrations._install_gradient_accumulation()
     assert module._gradient_accumulation is wrapped
-    integrations.uninstall()
+    integrations._uninstall_gradient_accumulation()
     try:
         assert not hasattr(module._gradient_accumulation, "__torch_xla_donate_original__")
     finally:
-        integrations.install()
+        integrations._install_gradient_accumulation()
     assert module._gradient_accumulation.__torch_xla_donate_original__ is not None
 
 

@@ -7,7 +7,7 @@ import torch_xla
 from helpers import buffer_ptr, materialize
 
 import torch_xla_donate as tdx
-import torch_xla_donate._base.switches
+import torch_xla_donate._config
 
 
 def _pair(dev, n=64):
@@ -128,7 +128,7 @@ def test_messages_blame_the_call_site(dev):
 
 
 def test_switched_off_warning_points_at_the_call(dev, monkeypatch):
-    monkeypatch.setattr(torch_xla_donate._base.switches, "_disabled_warned", set())
+    monkeypatch.setattr(torch_xla_donate._config, "_disabled_warned", set())
     step = torch_xla.compile(tdx.donating(_axpy, donate_argnums=0))
     x, y = _pair(dev)
     previous = tdx.configure(enabled=False)

@@ -9,10 +9,10 @@ import torch_xla
 from helpers import materialize
 
 import torch_xla_donate as tdx
-import torch_xla_donate._base.switches
-import torch_xla_donate._marking.trees
+import torch_xla_donate._config
+import torch_xla_donate._trees
 from torch_xla_donate import _C
-from torch_xla_donate._outcomes import unused
+from torch_xla_donate import _verdicts as unused
 
 
 def _lineno() -> int:
@@ -120,7 +120,7 @@ def test_opaque_root_is_a_type_error_and_scalars_are_skipped(dev):
 
 def test_switched_off_donates_nothing_and_warns_at_the_callers_line(dev, monkeypatch):
     # The warning is given once per process: forget earlier tests' warnings.
-    monkeypatch.setattr(torch_xla_donate._base.switches, "_disabled_warned", set())
+    monkeypatch.setattr(torch_xla_donate._config, "_disabled_warned", set())
     t = torch.ones(4, device=dev)
     materialize(t)
     previous = tdx.configure(enabled=False)

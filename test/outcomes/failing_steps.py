@@ -49,7 +49,7 @@ from torch_xla.experimental.stablehlo_custom_call import stablehlo_custom_call
 
 import torch_xla_donate as tdx
 from torch_xla_donate import _C
-from torch_xla_donate._base import compat as _compat
+from torch_xla_donate import _native as _compat
 
 N = 64
 UNALLOCATABLE_ELEMENTS = 2**46  # float32: 2**48 bytes

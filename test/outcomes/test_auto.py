@@ -19,7 +19,7 @@ import torch_xla.core.xla_model as xm
 from helpers import buffer_ptr, materialize, run_python
 
 import torch_xla_donate as tdx
-from torch_xla_donate._outcomes import auto
+from torch_xla_donate import _auto as auto
 
 N, SHAPE = 4, (64, 64)
 INPUTS = [torch.arange(64 * 64, dtype=torch.float32).reshape(SHAPE) / (i + 1) for i in range(N)]
@@ -217,7 +217,7 @@ _UNAVAILABLE = """
 import warnings
 import torch, torch_xla
 import torch_xla_donate as tdx
-from torch_xla_donate._base import guards
+from torch_xla_donate import _guards as guards
 guards.CORRUPT = "tensor_id"
 dev = torch_xla.device()
 try:
@@ -307,7 +307,7 @@ def test_a_training_loop_keeps_its_values_with_auto(dev):
 _IN_PLACE = """
 import torch, torch_xla
 import torch_xla_donate as tdx
-from torch_xla_donate._outcomes import auto
+from torch_xla_donate import _auto as auto
 xs = [torch.ones(64, 64).to(torch_xla.device()) for _ in range(3)]
 torch_xla.sync()
 with tdx.advise() as advice:

@@ -22,8 +22,8 @@ from helpers import collector_off, materialize
 
 import torch_xla_donate as tdx
 from torch_xla_donate import _C
-from torch_xla_donate._base import xla
-from torch_xla_donate._outcomes.poison import is_poisoned
+from torch_xla_donate import _xla as xla
+from torch_xla_donate._poison import is_poisoned
 
 STEPS = {
     "reused": lambda x: x * 2 + 1,

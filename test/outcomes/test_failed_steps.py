@@ -190,7 +190,7 @@ def test_a_donor_let_go_before_a_failing_barrier_is_disarmed(dev, monkeypatch):
     """A donor only its entry holds is let go before the real barrier; when
     that barrier fails, its buffer is no tensor's but still armed: ``fail``
     clears the flag through a carrier (xla.set_unheld_flags)."""
-    from torch_xla_donate._base import xla
+    from torch_xla_donate import _xla as xla
 
     real = xla.REAL["_set_buffer_donation"]
     seen = []

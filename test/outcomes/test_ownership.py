@@ -267,7 +267,7 @@ def test_a_tensor_only_autograd_holds_is_not_kept_by_the_scan(dev):
     suite-wide ``no_zombie_tensors`` fixture fails the test then)."""
     import gc
 
-    from torch_xla_donate._outcomes import ownership
+    from torch_xla_donate import _holders as ownership
 
     w = torch.randn(4, 4, device=dev, requires_grad=True)
     b = torch.nn.Parameter(torch.randn(4, 4, device=dev))
@@ -290,7 +290,7 @@ def test_the_autograd_wait_leaves_nothing_for_the_next_graph(dev):
     looks."""
     import re
 
-    from torch_xla_donate._outcomes import ownership
+    from torch_xla_donate import _holders as ownership
 
     def pending_ids():
         """Live tensors whose IR is a computation (a tensor whose IR is only

@@ -9,8 +9,8 @@ import torch_xla
 from helpers import collector_off, materialize
 
 from torch_xla_donate import _C
-from torch_xla_donate._base import guards
-from torch_xla_donate._outcomes import poison
+from torch_xla_donate import _guards as guards
+from torch_xla_donate import _poison as poison
 from torch_xla_donate.errors import DonatedBufferError
 
 

@@ -12,7 +12,7 @@ from helpers import materialize, run_python
 
 import torch_xla_donate as tdx
 from torch_xla_donate import _C
-from torch_xla_donate._base import guards
+from torch_xla_donate import _guards as guards
 
 
 def _consumed(dev, n=1):
@@ -87,7 +87,7 @@ lib = torch.library.Library("_", "IMPL")
 lib.fallback(lambda *args, **kwargs: None, dispatch_key="TESTING_ONLY_GenericWrapper")
 import torch_xla
 import torch_xla_donate as tdx
-from torch_xla_donate._base import guards
+from torch_xla_donate import _guards as guards
 dev = torch_xla.device()
 x = torch.arange(8.0, device=dev) + 0
 torch_xla.sync()

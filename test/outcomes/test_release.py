@@ -115,7 +115,7 @@ def test_a_held_donor_costs_the_collector_no_object_of_the_ledgers(dev, wait):
     (A Python weak reference per donor, tracked or not, counted towards the
     collector's threshold: with it ``bench_async.py``'s held loop of 400
     donors crossed it every step, where raw donation never does.)"""
-    from torch_xla_donate._outcomes import verdicts
+    from torch_xla_donate import _verdicts as verdicts
 
     n = 100
 
@@ -156,7 +156,7 @@ def test_a_poisoned_donor_in_a_reference_cycle_goes_when_the_collector_frees_it(
     either reader path and whether its step was waited for or not.  (Found
     in CI: such a tensor left by one test vanished in the middle of
     another's count of live tensors.)"""
-    from torch_xla_donate._base import xla
+    from torch_xla_donate import _xla as xla
 
     with collector_off():
         x = materialize(torch.arange(8.0, device=dev))
@@ -174,7 +174,7 @@ def test_a_poisoned_donor_in_a_reference_cycle_goes_when_the_collector_frees_it(
 
 
 def test_an_entry_unpacks_as_a_pair(dev):
-    from torch_xla_donate._outcomes import verdicts
+    from torch_xla_donate import _verdicts as verdicts
 
     x = materialize(torch.arange(4.0, device=dev))
     tdx.donate_buffer(x)
@@ -233,8 +233,8 @@ def test_dropped_poisoned_donors_are_gone_before_the_next_barrier_walks(dev, wai
     (its entry lets go at the barrier after).  So the collector runs once
     before and not during the loop, which also shows the release owes the
     collector nothing."""
-    from torch_xla_donate._base import xla
-    from torch_xla_donate._hooks import commit
+    from torch_xla_donate import _xla as xla
+    from torch_xla_donate import _commit as commit
 
     n = 6
     state = [materialize(torch.full((8,), float(i), device=dev)) for i in range(n)]

@@ -10,8 +10,8 @@ from helpers import buffer_ptr, materialize, run_python
 
 import torch_xla_donate as tdx
 from torch_xla_donate import _C
-from torch_xla_donate._hooks import executions
-from torch_xla_donate._outcomes import report
+from torch_xla_donate import _hooks as executions
+from torch_xla_donate import report
 
 
 def _update_with_a_lonely_donation(dev, wait=True):

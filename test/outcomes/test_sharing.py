@@ -17,7 +17,7 @@ import torch_xla.core.xla_model as xm
 from helpers import COPIES, materialize
 
 import torch_xla_donate as tdx
-from torch_xla_donate._outcomes import sharing
+from torch_xla_donate import _holders as sharing
 
 
 def _donate_and_step(t):

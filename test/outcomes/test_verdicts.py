@@ -12,11 +12,11 @@ import torch_xla.core.xla_model as xm
 from helpers import buffer_ptr, materialize, run_python
 
 import torch_xla_donate as tdx
-import torch_xla_donate._outcomes.verdicts
+import torch_xla_donate._verdicts
 from torch_xla_donate import _C
-from torch_xla_donate._base import guards as _guards
-from torch_xla_donate._base import xla as _xla
-from torch_xla_donate._outcomes import unused
+from torch_xla_donate import _guards
+from torch_xla_donate import _xla
+from torch_xla_donate import _verdicts as unused
 
 
 def test_async_loop_never_blocks_and_every_verdict_is_right(dev, monkeypatch):
@@ -121,7 +121,7 @@ def test_open_verdicts_are_not_tracked_by_the_garbage_collector(dev):
         tdx.donate_buffer(s)
     states = [s * 2 for s in states]
     torch_xla.sync(wait=False)
-    entries = torch_xla_donate._outcomes.verdicts._in_flight
+    entries = torch_xla_donate._verdicts._in_flight
     assert len(entries) == 50
     assert not any(gc.is_tracked(e) for e in entries)
     t, record = entries[0]
@@ -188,53 +188,66 @@ def _unused_warnings(caught):
     return [str(w.message) for w in caught if issubclass(w.category, tdx.UnusedDonationWarning)]
 
 
-@pytest.mark.parametrize("strict_mode", [False, True], ids=["warn", "strict"], indirect=True)
+# How Python's warning filters decide an unusable donation's warning: its
+# text is stable per line and shapes, so "default" shows it once per place,
+# "always" every time, "error" raises every time; strict mode raises
+# UnusedDonationError every time whatever the filter.
+FILTERS = {"default": 1, "always": 4, "error": 4}
+
+
+@pytest.mark.parametrize("action", list(FILTERS) + ["strict"])
 @pytest.mark.parametrize("run", RUNS)
-def test_a_repeated_unusable_donation_warns_once_and_strict_raises_each_time(
-        dev, run, strict_mode):
+def test_a_repeated_unusable_donation_goes_through_the_warning_filters(dev, run, action):
     torch._dynamo.reset()
     _COMPILED.clear()
     x = materialize(torch.arange(5.0, device=dev))
     ys = [materialize(torch.full((4, 3), float(i), device=dev)) for i in range(4)]
     before = tdx.summary().totals.unused
-    raised = 0
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for y in ys:
-            try:
-                tdx.donate_buffer(x)  # one line, one shape, every step
-                out = RUNS[run](_no_output_fits, x, y)
-                tdx.settle()
-            except tdx.UnusedDonationError as error:
-                raised += 1
-                assert "f32[5]" in str(error) and "Said once" not in str(error)
-            assert not tdx.is_donated(x) and not tdx.is_deleted(x)
-            assert x.cpu().tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+    raised = []
+    previous = tdx.configure(strict=action == "strict")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always" if action == "strict" else action)
+            for y in ys:
+                try:
+                    tdx.donate_buffer(x)  # one line, one shape, every step
+                    out = RUNS[run](_no_output_fits, x, y)
+                    tdx.settle()
+                except (tdx.UnusedDonationError, tdx.UnusedDonationWarning) as error:
+                    raised.append(type(error))
+                    tdx.settle()
+                assert not tdx.is_donated(x) and not tdx.is_deleted(x)
+                assert x.cpu().tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+    finally:
+        tdx.configure(**previous)
     torch._dynamo.reset()
     said = _unused_warnings(caught)
-    if strict_mode:
-        assert raised == len(ys) and said == []
+    if action == "strict":
+        assert raised == [tdx.UnusedDonationError] * len(ys) and said == []
+    elif action == "error":
+        assert raised == [tdx.UnusedDonationWarning] * len(ys) and said == []
     else:
-        assert raised == 0 and len(said) == 1, said
-        assert "f32[5]" in said[0] and "Said once per line and shape" in said[0]
+        assert not raised and len(said) == FILTERS[action], said
+        assert all(s == said[0] for s in said) and "f32[5]" in said[0]
         assert "Do not donate tensors that no output can take" in said[0]
     # The ledger counts every step's unused donation, warned or not.
     assert tdx.summary().totals.unused - before == len(ys)
 
 
 def test_a_new_shape_or_another_line_warns_again(dev):
+    """Under Python's default filter (one ``catch_warnings`` around the
+    loop: leaving one forgets what was shown, as Python does)."""
     y = materialize(torch.ones(4, device=dev))
     said = []
 
-    def step(*donate_at_line):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            for line in donate_at_line:
-                line()
-            out = y * 2
-            torch_xla.sync()
-            tdx.settle()
-        said.append(_unused_warnings(caught))
+    def step(caught, *donate_at_line):
+        seen = len(caught)
+        for line in donate_at_line:
+            line()
+        out = y * 2
+        torch_xla.sync()
+        tdx.settle()
+        said.append(_unused_warnings(caught[seen:]))
         return out
 
     a, b = materialize(torch.zeros(3, device=dev), torch.zeros(2, 2, device=dev))
@@ -243,59 +256,56 @@ def test_a_new_shape_or_another_line_warns_again(dev):
     def line_a(t):
         return lambda: tdx.donate_buffer(t)
 
-    step(line_a(a))                               # f32[3] at line A: new
-    step(line_a(a))                               # the same: silent
-    step(line_a(a), line_a(b))                    # f32[2,2] at line A: new, alone
-    step(lambda: tdx.donate_buffer(c))            # f32[3] at another line: new
-    step(line_a(a), line_a(b))                    # both known: silent
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        step(caught, line_a(a))                   # f32[3] at line A: new
+        step(caught, line_a(a))                   # the same: silent
+        step(caught, line_a(a), line_a(b))        # line A with f32[2,2] too: new
+        step(caught, lambda: tdx.donate_buffer(c))  # f32[3] at another line: new
+        step(caught, line_a(a), line_a(b))        # line A's pair again: silent
     assert [len(s) for s in said] == [1, 0, 1, 1, 0], said
     assert "f32[3]" in said[0][0]
-    assert "f32[2,2]" in said[2][0] and "f32[3]" not in said[2][0]
-    assert "f32[3]" in said[3][0]
+    assert "f32[2,2]" in said[2][0] and "f32[3]" in said[2][0]
+    assert "f32[3]" in said[3][0] and said[3][0] != said[0][0]
 
 
 def test_one_warning_counts_every_donation_of_a_new_shape(dev):
-    """Two tensors of one shape from one line, unused in the same step: the
-    first warning names both ("2 x"); the next step is silent."""
+    """Two tensors of one shape from one line, unused in the same step: one
+    warning names both ("2 x"); the same step again is silent by default."""
     ts = [materialize(torch.zeros(3, device=dev)) for _ in range(2)]
     y = materialize(torch.ones(4, device=dev))
     said = []
-    for _ in range(2):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        for _ in range(2):
+            seen = len(caught)
             tdx.donate(ts)
             out = y + 1
             torch_xla.sync()
             tdx.settle()
-        said.append(_unused_warnings(caught))
+            said.append(_unused_warnings(caught[seen:]))
     assert len(said[0]) == 1 and "2 x f32[3]" in said[0][0] and said[1] == []
     assert out.cpu().tolist() == [2.0] * 4
 
 
-class _Record:
-    """What the warning reads of a ledger record."""
+def test_jaxs_donate_warning_test_warns_each_time_under_always(dev):
+    """JAX's ``test_jit_donate_warning_raised``, translated: argnums, then
+    argnames, from one line; each call warns under "always"."""
+    def f(x):
+        return x.sum().reshape(1)
 
-    def __init__(self, shape, line):
-        self.file, self.line, self.shape_string = "train.py", line, shape
-        self.where, self.step = f"train.py:{line}", 1
-
-
-def test_the_memory_is_bounded_and_forget_empties_it(monkeypatch):
-    monkeypatch.setattr(unused, "MEMORY", 2)
-
-    def warned(record):
+    x = materialize(torch.ones(2, 3, device=dev))
+    said = []
+    for selection in ({"donate_argnums": 0}, {"donate_argnames": "x"}):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            unused.warn([(None, record)])
-        return len(_unused_warnings(caught))
-
-    first, second, third = _Record("f32[1]", 1), _Record("f32[2]", 1), _Record("f32[3]", 1)
-    assert [warned(first), warned(second), warned(first)] == [1, 1, 0]
-    assert warned(third) == 1  # pushes out the least recently seen: second
-    assert len(unused._said) == 2
-    assert [warned(first), warned(second)] == [0, 1]
-    unused.forget()
-    assert not unused._said and warned(first) == 1
+            out = tdx.donating(f, **selection)(x)
+            torch_xla.sync()
+            tdx.settle()
+        said.append(_unused_warnings(caught))
+    assert [len(s) for s in said] == [1, 1], said
+    assert all("f32[2,3]" in s[0] for s in said)
+    assert out.cpu().tolist() == [6.0]
 
 
 @pytest.mark.parametrize("donor_is", ["t1", "t2"])
@@ -328,7 +338,7 @@ def test_swap_tensors_moves_the_poison_with_the_value(dev, fate, wait, donor_is)
         assert type(other) is torch.Tensor and other.cpu().tolist() == list(range(8))
         assert y.item() == 28.0
     tdx.settle()
-    assert not torch_xla_donate._outcomes.verdicts._in_flight
+    assert not torch_xla_donate._verdicts._in_flight
 
 
 @pytest.mark.usefixtures("native_reads")

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 import torch_xla_donate as tdx
 from torch_xla_donate import _C
-from torch_xla_donate._outcomes import poison, unused
+from torch_xla_donate import _poison as poison
+from torch_xla_donate import _verdicts as unused
 
 SHAPES = [(4,), (8,), (16,), (2, 4), (4, 2), (2, 8), (4, 4)]
 # A wide input now and then: matmuls at the widths where XLA:CPU once read a

@@ -31,7 +31,8 @@ from helpers import materialize
 
 import torch_xla_donate as tdx
 from torch_xla_donate import _C
-from torch_xla_donate._outcomes import report, verdicts
+from torch_xla_donate import report
+from torch_xla_donate import _verdicts as verdicts
 
 STEPS = int(os.environ.get("TDX_LONG_RUN_STEPS", 10_000))
 WARMUP = max(STEPS // 5, 50)

@@ -43,8 +43,8 @@ import torch_xla.core.xla_model as xm
 from helpers import COPIES, collector_off, run_python
 
 import torch_xla_donate as tdx
-from torch_xla_donate._base import xla
-from torch_xla_donate._outcomes.poison import is_poisoned
+from torch_xla_donate import _xla as xla
+from torch_xla_donate._poison import is_poisoned
 
 N = 64
 SPMD = os.environ.get("TDX_MATRIX_SPMD") == "1"

@@ -110,7 +110,7 @@ cache = [(torch.zeros(batch_heads, positions, head_dim, device=dev),
 torch_xla.sync()
 # Native reads' self-test compiles one small graph at the process's first
 # read (README, Native reads): done here, so that the count is the decode's.
-from torch_xla_donate._base import reads; reads.tensor_id(pos)
+from torch_xla_donate import _xla as reads; reads.tensor_id(pos)
 compiles_before = met.metric_data("CompileTime")[0]
 """,
         check="""

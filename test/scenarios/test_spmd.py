@@ -21,7 +21,7 @@ import torch_xla.runtime as xr
 import torch_xla.distributed.spmd as xs
 xr.use_spmd()
 import torch_xla_donate as tdx
-from torch_xla_donate._base import xla as _xla
+from torch_xla_donate import _xla
 
 dev = torch_xla.device()
 n = xr.global_runtime_device_count()
@@ -173,7 +173,7 @@ out["scan"] = {"deleted": tdx.is_deleted(old), "value_ok": torch.allclose(carry.
 
 # gradient_accumulation with a sharded carried tensor.
 from torch_xla.experimental.gradient_accumulation import gradient_accumulation as _ga
-from torch_xla_donate._base.compat import call_gradient_accumulation
+from torch_xla_donate._native import call_gradient_accumulation
 gradient_accumulation = lambda *a: call_gradient_accumulation(_ga, *a)
 torch.manual_seed(0)
 model = torch.nn.Linear(16, 4).to(dev)

@@ -33,8 +33,8 @@ from helpers import materialize
 
 import torch_xla_donate as tdx
 from torch_xla_donate import _C
-from torch_xla_donate._base import lock as lock_module
-from torch_xla_donate._outcomes import poison
+from torch_xla_donate import _native as lock_module
+from torch_xla_donate import _poison as poison
 
 XLA_OPS = threading.Lock()  # see the module doc
 THREADS = 16

@@ -35,7 +35,7 @@ arguments are donated):
   torch.optim's graph break) is marked at the call for the next execution
   that takes it, as eager ``donate`` marks (``_take_marks_only``);
 * the bridge's own syncs (before tracing, for pending inputs) commit
-  nothing (executions.py);
+  nothing (_hooks.py);
 * an argument whose gradient autograd will need (``requires_grad``) is not
   donated by a compiled forward graph: its mark waits for the next step
   barrier, after backward;
@@ -55,14 +55,15 @@ import contextlib
 import copy
 import threading
 
-from .._base import switches, xla, xla_cpu
-from .._base.lock import lock
-from .._base.messages import Notices
-from .._base.native import C
-from .._base.sites import user_site
-from .._marking import graph_ops
-from .._outcomes import poison, verdicts
-from . import commit, executions
+from . import _commit as commit
+from . import _config as config
+from . import _poison as poison
+from . import _verdicts as verdicts
+from . import _xla as xla
+from . import _xla_cpu as xla_cpu
+from ._marking import is_donor_op
+from ._messages import Notices, user_site
+from ._native import C, lock
 
 __all__ = ["install", "uninstall", "installed", "TRAMPOLINES"]
 
@@ -98,7 +99,7 @@ class _CompiledGraph:
         decide (``_begin_and_decide``), arm (``_arming``), then finish or
         fail."""
         poison.refuse_consumed(args)
-        on = switches.on()
+        on = config.on()
         # The marks the call takes: its arguments' but those autograd will
         # need and those the graph only marks (each waits for the execution
         # that reads it).  Switched off, the commit refuses them.
@@ -108,7 +109,7 @@ class _CompiledGraph:
             self._variant(frozenset(candidates if on else ()), args, on)
         # Switched off, the graph's own ops mark nothing, as eager marking.
         if (self._static or self._carried) and not on:
-            switches.warn_if_off()
+            config.warn_if_off()
         if on and self._carried:
             _carry([args[i] for i in self._carried])
         notices = Notices()
@@ -189,13 +190,13 @@ def _take_marks_only(model) -> frozenset:
     donor ops alone).  Such a mark is what ``donate`` makes in eager: it
     waits for the next execution that takes the tensor (the step's graph,
     or the step barrier); ``__call__`` makes it (``_carry``).  The donor
-    ops reach this graph because graph_ops.py registers them as side
+    ops reach this graph because _marking.py registers them as side
     effects.
     """
     placeholders = [n for n in model.graph.nodes if n.op == "placeholder"]
     carried = frozenset(
         i for i, node in enumerate(placeholders)
-        if node.users and all(graph_ops.is_donor_op(user) and not user.users
+        if node.users and all(is_donor_op(user) and not user.users
                               for user in node.users)
     )
     if carried:
@@ -241,7 +242,7 @@ class _arming:
     def __enter__(self):
         self._saved = getattr(_local, "arming", None)
         _local.arming = self._tensors
-        self._context = executions.context(executions.COMPILED_CALL).__enter__()
+        self._context = commit.context(commit.COMPILED_CALL).__enter__()
 
     def __exit__(self, *exc_info):
         self._context.__exit__(*exc_info)

@@ -1,49 +1,26 @@
-"""Dead step inputs: automatic donation and the advisor's records.
+"""Automatic donation of dead step inputs, and the advisor.
+
+A functional update rebinds its names: the old tensors die, and their
+buffers live on only inside the step's pending IR (each ``xla::device_data``
+node holds one) until the barrier computed the new values.  At a step
+barrier's commit the dead inputs are found natively (csrc/auto/dead_inputs.h:
+a buffer nothing but its node holds; never one a live tensor holds, a copy
+made since the last barrier, a cached constant, the RNG seed or a 0-dim
+buffer) and, with ``configure(auto=True)``, armed with the marked donors
+through a carrier tensor and disarmed once the graph is built; an open
+``advise()`` records them instead.  Not available (a typed error from
+``advise()``, a warning once with ``auto=True``) once a guard switched
+donation off, under SPMD, or with more than one device per process.
 
 Example (``PJRT_DEVICE=CPU``)::
 
-    tdx.configure(auto=True)                  # or TORCH_XLA_DONATE_AUTO=1
-    xs = [x * 0.9 + 1 for x in xs]            # the old list is gone
-    torch_xla.sync()                          # its buffers hold the new values
-
-The problem
------------
-A functional update rebinds its names: the old tensors die, their buffers
-live on only inside the step's pending IR (each ``xla::device_data`` node
-holds one) until the barrier computed the new values.  Donating them saves
-the memory of one copy of the state, but no Python object is left to mark.
-
-What is found, natively (csrc/auto/dead_inputs.h)
--------------------------------------------------
-At a step barrier's commit: torch_xla's live tensors (its registry, found
-by _base/arena.py) are walked once, the pending ones' IR down to its
-device-data nodes; a buffer nothing but its node holds (shared_ptr count)
-is dead.  Never listed: a buffer any live tensor holds (a Python name, an
-autograd graph, an optimizer's state, a view's base: each keeps its
-XLATensor), one a live tensor's IR *is* (a copy made since the last
-barrier), a cached constant or the RNG seed (torch_xla holds those), a
-0-dim buffer, and one torch_xla aliases itself: natively when the pending
-tensor is the buffer's own (in place, functionalization off); under
-functionalization the link is in torch_xla's own Data, which is not read
-(one layout fact only): such an input is armed too, harmlessly (torch_xla
-merges its own donors with the flagged ones), and the advisor drops it once
-the step consumed it without being armed.  About 0.1-0.3 µs per live tensor plus the walk of the
-step's IR (``benchmarks/bench_auto.py``).
-
-Ours until committed
---------------------
-Dead inputs are armed only in the commit of a step barrier (which syncs
-every live tensor of its device), right after the marked donors, and
-disarmed when the graph is built, like them; never in a partial sync
-(``_xla_sync_multi``), a step block's prologue or a compiled call.  Their
-verdict (``reused``: the buffer is gone) is read at the next barrier of the
-device or at ``settle()``; until then this module holds the buffers (an
-unused one is freed one step later than without).
-
-Not available (a typed error from ``advise()``, a warning once with
-``auto=True``): with donation switched off by a guard (guards.py),
-under SPMD, or with more than one device per process.
+    with tdx.advise() as advice:
+        xs = [x * 0.9 + 1 for x in xs]
+        torch_xla.sync()
+    print(advice)            # a table, largest first, with what to add
 """
+import collections
+import dataclasses
 import re
 import threading
 import warnings
@@ -51,12 +28,15 @@ from typing import NamedTuple
 
 import torch
 
-from .._base import arena, config, guards, switches, xla
-from .._base.errors import AutoDonationUnavailableError, AutoDonationUnavailableWarning
-from .._base.native import C
+from . import _config as config
+from . import _guards as guards
+from . import _xla as xla
+from ._messages import size
+from ._native import C
+from .errors import AutoDonationUnavailableError, AutoDonationUnavailableWarning
 
 __all__ = ["Input", "prepare", "unavailable", "require", "at_commit", "after_graph", "abandon", "settle",
-           "totals", "advisors"]
+           "totals", "advisors", "Advice", "AdviceEntry", "advise"]
 
 # XLA's element types, as the device-data node's xla_shape names them.
 _DTYPES = {
@@ -119,7 +99,7 @@ def prepare(force: bool = False) -> None:
     _state["prepared"] = True
     sample = torch.arange(4.0).to(xla.default_device())
     guards.decide(sample)
-    switches.refresh()
+    config.refresh()
 
 
 def unavailable() -> str | None:
@@ -132,7 +112,7 @@ def unavailable() -> str | None:
         return "SPMD is on (sharded buffers are not looked at)"
     if xla.local_device_count() > 1:
         return "more than one device in this process"
-    if not arena.in_use():
+    if not xla.walk_in_use():
         return f"torch_xla's live-tensor registry walk is {guards.state('walk')}"
     return None
 
@@ -258,12 +238,113 @@ def totals() -> dict:
     return out
 
 
-def describe_totals(_size) -> str:
-    """The summary's line (sizes written by ``_size``), '' when nothing was
+def describe_totals() -> str:
+    """The summary's line, '' when nothing was
     armed."""
     t = totals()
     if not t["armed"] and not t["in_flight"]:
         return ""
-    text = (f"{t['armed']} dead input(s) ({_size(t['armed_bytes'])}) in {t['steps']} step(s), "
-            f"reused {t['reused']} ({_size(t['reused_bytes'])})")
+    text = (f"{t['armed']} dead input(s) ({size(t['armed_bytes'])}) in {t['steps']} step(s), "
+            f"reused {t['reused']} ({size(t['reused_bytes'])})")
     return text + (f", in flight {t['in_flight']}" if t["in_flight"] else "")
+
+
+# -- The advisor ---------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class AdviceEntry:
+    """Dead inputs of one shape, dtype and first-read line: ``count`` of
+    them in one step (the most seen), ``bytes`` in all."""
+    shape: tuple
+    dtype: torch.dtype
+    count: int
+    bytes: int
+    line: str | None
+
+    @property
+    def annotation(self) -> str:
+        where = f" (read at {self.line})" if self.line else ""
+        return f"tdx.donate(<the old value>{where}) before it is rebound, or configure(auto=True)"
+
+
+class Advice:
+    """What ``advise()`` recorded: ``steps`` barriers seen, ``entries``
+    (``AdviceEntry``, largest first) and ``bytes`` (the largest total a
+    single step could have reused)."""
+
+    def __init__(self):
+        self._steps = 0
+        self._bytes = 0
+        self._most = collections.Counter()  # (shape, dtype, line) -> most in one step
+        self._size = {}
+
+    def _record(self, inputs) -> None:
+        self._steps += 1
+        self._bytes = max(self._bytes, sum(i.nbytes for i in inputs))
+        step = collections.Counter()
+        for i in inputs:
+            key = (i.shape, i.dtype, i.line)
+            step[key] += 1
+            self._size[key] = i.nbytes
+        for key, n in step.items():
+            self._most[key] = max(self._most[key], n)
+
+    # A step's findings are judged once its execution ran (auto.settle):
+    # each read below waits for the device if one is still open.
+    @property
+    def steps(self) -> int:
+        settle()
+        return self._steps
+
+    @property
+    def bytes(self) -> int:
+        settle()
+        return self._bytes
+
+    @property
+    def entries(self) -> list:
+        settle()
+        out = [AdviceEntry(shape, dtype, n, n * self._size[(shape, dtype, line)], line)
+               for (shape, dtype, line), n in self._most.items()]
+        return sorted(out, key=lambda e: (-e.bytes, str(e.line), e.shape))
+
+    def __str__(self) -> str:
+        entries = self.entries
+        head = (f"torch_xla_donate advice: {self.steps} step(s); a step could reuse "
+                f"{size(self.bytes)} of dead inputs")
+        if not entries:
+            return head + ": nothing to donate."
+        rows = [("bytes", "count", "shape", "dtype", "first read at", "add")]
+        rows += [(size(e.bytes), str(e.count), str(list(e.shape)),
+                  str(e.dtype).removeprefix("torch."), e.line or "?", e.annotation)
+                 for e in entries]
+        widths = [max(len(r[c]) for r in rows) for c in range(5)]
+        lines = [head + ":"]
+        lines += ["  " + "  ".join(cell.ljust(w) for cell, w in zip(r, widths)) + "  " + r[5]
+                  for r in rows]
+        if any(e.line is None for e in entries):
+            lines.append("  (lines: set XLA_IR_DEBUG=1 before torch_xla starts)")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"Advice(steps={self.steps}, bytes={self.bytes}, entries={len(self._most)})"
+
+
+class advise:
+    """``with tdx.advise() as advice:`` records, at every step barrier in
+    the block, the step inputs nothing else holds (never donating them).
+
+    Raises:
+      AutoDonationUnavailableError: dead inputs cannot be found in this
+        process (native reads off, no registry, SPMD, several devices).
+    """
+
+    def __enter__(self) -> Advice:
+        require()
+        self.advice = Advice()
+        advisors.append(self.advice)
+        return self.advice
+
+    def __exit__(self, *exc_info):
+        settle()  # the last step's findings, judged
+        advisors.remove(self.advice)

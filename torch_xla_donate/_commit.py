@@ -1,13 +1,13 @@
 """Committing marks to an execution: a step barrier (``barrier_before`` and
 ``barrier_after``, the two halves of its trampoline) and a compiled call
-(dynamo.py) run the same stages (docs/design.md, "The step's life"):
+(_dynamo.py) run the same stages (docs/design.md, "The step's life"):
 
 1. ``begin_and_decide``: ``C.commit`` takes the marks into a new step and
    judges each (csrc/hooks/commit.h, the rules in one function); Python
    judges what it referred back (aliases, a moment's holders, copies) and
    applies the switches;
 2. ``arm``: torch_xla's donor flag on each donor's buffer (a compiled call
-   arms its own way, dynamo.py);
+   arms its own way, _dynamo.py);
 3. torch_xla builds its graph and runs it;
 4. ``finish`` (poison, verdicts in flight) or ``fail`` (values kept).
 
@@ -17,19 +17,85 @@ why), and warnings are held back (messages.Notices) until the commit is
 whole, so a filter that turns them into errors raises after the step.
 """
 import sys
+import threading
 
-from .._base import guards, switches, xla
-from .._base.errors import DroppedDonationWarning
-from .._base.lock import lock
-from .._base.messages import Notices
-from .._base.native import C
-from .._outcomes import auto, failures, ownership, sharing, verdicts
-from .._outcomes import devices as _devices
+from . import _auto as auto
+from . import _config as config
+from . import _guards as guards
+from . import _holders as holders
+from . import _messages as messages
+from . import _verdicts as verdicts
+from . import _xla as xla
+from ._messages import Notices
+from ._native import C, lock
+from .errors import DroppedDonationWarning
 
-__all__ = ["barrier_before", "barrier_after", "begin_and_decide", "arm", "disarm", "finish",
-           "fail", "flush_before", "flush_after"]
+__all__ = ["barrier_hook", "barrier_before", "barrier_after", "begin_and_decide", "arm", "disarm",
+           "finish", "fail", "flush_before", "flush_after", "context", "current", "set_current",
+           "BLOCK_PROLOGUE", "BLOCK_BODY", "BLOCK_EXIT", "BLOCK_FAILED", "COMPILED_CALL"]
 
 S = C.Split
+
+
+# -- What a barrier commits ----------------------------------------------------------
+#
+# A step block (``torch_xla.compile``/``step()``) starts with a flush that
+# commits nothing (the marks made before it are meant for its graph) and
+# ends with the sync that commits them (abandoned if its body raised); the
+# syncs inside a compiled call commit nothing (_dynamo.py).  _hooks.py keeps
+# this thread-local stack.
+
+# What the calling thread is inside of, innermost last: decides what its
+# barriers commit.
+BLOCK_PROLOGUE = "block prologue"  # the flush a step block starts with
+BLOCK_BODY = "block body"
+BLOCK_EXIT = "block exit"          # the sync that ends a step block
+BLOCK_FAILED = "block failed"      # ... whose body raised
+COMPILED_CALL = "compiled call"    # a torch.compile'd graph call (_dynamo.py)
+
+_local = threading.local()
+
+
+def context_stack() -> list:
+    stack = getattr(_local, "stack", None)
+    if stack is None:
+        stack = _local.stack = []
+    return stack
+
+
+def current():
+    stack = context_stack()
+    return stack[-1] if stack else None
+
+
+class context:
+    """``with context(kind):`` the calling thread is inside ``kind``."""
+
+    def __init__(self, kind):
+        self.kind = kind
+
+    def __enter__(self):
+        context_stack().append(self.kind)
+        return self
+
+    def __exit__(self, *exc_info):
+        context_stack().pop()
+
+
+def set_current(kind) -> None:
+    stack = context_stack()
+    if stack:
+        stack[-1] = kind
+
+
+
+def barrier_hook(*args, **kwargs):
+    """The first half of the step barrier's trampoline: what this thread's
+    barrier commits, by what it is inside of."""
+    kind = current()
+    if kind in (BLOCK_PROLOGUE, COMPILED_CALL):
+        return barrier_before(*args, commits=False, **kwargs)
+    return barrier_before(*args, abandon=kind == BLOCK_FAILED, **kwargs)
 
 
 class _Commit:
@@ -41,7 +107,7 @@ class _Commit:
     def __init__(self, device, step, donors, wait, notices):
         self.device, self.step, self.donors, self.wait = device, step, donors, wait
         self.notices = notices
-        self.auto = None  # dead inputs armed with the donors (_outcomes/auto.py)
+        self.auto = None  # dead inputs armed with the donors (_auto.py)
 
 
 _FLUSH = object()  # a barrier that commits nothing
@@ -59,8 +125,8 @@ def barrier_before(device="", devices=(), wait=True, reset_scope=True, *, commit
         auto.prepare()  # once, outside the lock
     lock.acquire()
     try:
-        switches.refresh()
-        here = _devices.barrier_device(device)
+        config.refresh()
+        here = verdicts.barrier_device(device)
         verdicts.disarm_in_flight(here)  # before this execution arms anything
         if not commits:
             return _FLUSH
@@ -72,16 +138,15 @@ def barrier_before(device="", devices=(), wait=True, reset_scope=True, *, commit
         # be dispatching, and a buffer reads as deleted while XLA holds it for
         # a donation it may yet give back (see verdicts.py).
         notices = Notices()
-        step, donors = begin_and_decide(_devices.marks_on(here), notices, abandon=abandon)
+        step, donors = begin_and_decide(verdicts.marks_on(here), notices, abandon=abandon)
         donors = arm(donors, notices)
         token = _Commit(here, step, donors, wait, notices)
         if not abandon:
             try:
                 token.auto = auto.at_commit(here)
             except Exception as error:  # never in the user's way: nothing armed
-                notices.add(DroppedDonationWarning, "Automatic donation skipped a step{at_step}"
-                            f"{{items}}: {type(error).__name__}: {auto.braces_safe(error)}. Please "
-                            "report this.", [])
+                notices.add(DroppedDonationWarning, messages.AUTO_SKIPPED.format(
+                    error=f"{type(error).__name__}: {auto.braces_safe(error)}"), [])
         if donors and xla.local_device_count() == 1:
             # The donors nothing but their entry refers to (the loop rebound
             # its names) go now, each entry keeping only its buffer: so
@@ -105,17 +170,20 @@ def begin_and_decide(only, notices, abandon=False):
     execution that takes it, a step barrier or a compiled call alike:
     DISABLED, value kept.
     """
+    if not guards.decided():
+        # The guards, once, on a marked tensor (no graph of their own; a
+        # compiled function's own donations decide them here): one that
+        # fails switches donation off, and the marks are DISABLED below.
+        marked = C.marked_tensors() if only is None else only
+        if marked:
+            guards.decide(marked[0])
+            config.refresh()
     step, donors, referred = C.commit(only)
     try:
-        if donors or referred:
-            # The guards, once, on a donor (no graph of their own): one that
-            # fails switches donation off.
-            guards.decide((donors or referred)[0][0])
-            switches.refresh()
         donors += _judged(referred, notices)
     except Exception as error:  # the plugin's own check failed, not the step
         return step, undecided(donors + [e for e, _, _ in referred], error, notices)
-    if donors and not switches.on():
+    if donors and not config.on():
         verdicts.abandon(donors, C.Verdict.DISABLED)  # switched off after marking
         return step, []
     if donors and abandon:
@@ -132,8 +200,10 @@ def _judged(referred, notices) -> list:
     if held:
         # Aliases and autograd graphs: a module's parameters sharing the
         # storage go with the donation, a name the user holds blocks it
-        # (ownership.py); those let through get the buffer checks.
-        more, referred_again = C.screen(ownership.judge_at_commit(held, notices))
+        # (_holders.py); those let through get the buffer checks.
+        allowed, dropped = holders.judge_held(held)
+        verdicts.drop_entries(dropped, notices)
+        more, referred_again = C.screen(allowed)
         donors += more
         referred = [r for r in referred if r[1] != S.HELD] + referred_again
     excess = [e for e, split, _ in referred if split == S.EXCESS]
@@ -141,12 +211,14 @@ def _judged(referred, notices) -> list:
         # A moment's holders: autograd's worker thread, or the previous
         # execution still dispatching with the buffer as its input.  Asked
         # again once both are done, so the outcome never depends on timing.
-        ownership.settle_autograd(excess[0][0].device)
+        holders.settle_autograd(excess[0][0].device)
         xla.wait_device_ops()
         more, referred_again = C.screen(excess)
         donors += more
         referred = [r for r in referred if r[1] != S.EXCESS] + referred_again
-    return donors + sharing.drop_shared(referred, notices)
+    kept, dropped = holders.judge_shared(referred)
+    verdicts.drop_entries(dropped, notices)
+    return donors + kept
 
 
 def undecided(entries, error, notices) -> list:
@@ -156,14 +228,8 @@ def undecided(entries, error, notices) -> list:
     dropped = [r for _, r in entries if r.verdict == C.Verdict.IN_FLIGHT]
     verdicts.drop(dropped)
     if dropped:
-        notices.add(
-            DroppedDonationWarning,
-            "Donations dropped before a step{at_step}: {items}. torch_xla_donate could not "
-            f"decide whether they could be donated ({type(error).__name__}: {error}); the "
-            "step ran without them and these tensors keep their values. Please report "
-            "this with the message.",
-            dropped,
-        )
+        error = messages.escape(f"{type(error).__name__}: {error}")
+        notices.add(DroppedDonationWarning, messages.UNDECIDED.format(error=error), dropped)
     return []
 
 
@@ -171,15 +237,14 @@ def arm(donors, notices) -> list:
     """A step barrier's arming: sets the donor flag on the buffer each donor
     holds now; returns the armed entries.  One torch_xla refuses (no plain
     device data after all) is dropped.  A compiled call arms its donors
-    only while the bridge extracts an executable for them (dynamo.py)."""
+    only while the bridge extracts an executable for them (_dynamo.py)."""
     if not donors:
         return donors
     set_donor = xla.real("_set_buffer_donation")
     refused = [e for e in donors if not set_donor(e[0], True)]
     if not refused:
         return donors
-    ownership.drop(refused, "torch_xla refused them as donors: their values are not plain "
-                            "device data (a view, or a copy that has not run)", notices)
+    verdicts.drop_entries({messages.REFUSED_FLAG: refused}, notices)
     gone = {id(e) for e in refused}
     return [e for e in donors if id(e) not in gone]
 
@@ -202,7 +267,7 @@ def barrier_after(token, result, error):
         if error is not None:
             fail(token.donors, token.auto)
             return result
-        _devices.dispatched(token.device, token.step if token.wait else token.step - 1)
+        verdicts.dispatched(token.device, token.step if token.wait else token.step - 1)
         finish(token.device, token.donors, token.notices, certain=token.wait)
         auto.after_graph(token.auto)
         return result
@@ -229,15 +294,15 @@ def finish(device, donors, notices, certain: bool) -> None:
     disarm(to_disarm)
     if failed:
         notices.fail(_unpoisoned_error(failed))
-    if ownership.companions_by_record:
-        ownership.poison_companions([record.id for _, record in donors])
+    if holders.companions_by_record:
+        holders.poison_companions([record.id for _, record in donors])
     verdicts.after_commit(device, donors, certain=certain)
 
 
 def fail(donors, dead_inputs=None) -> None:
     """The end of every commit whose execution raised: no flag stays armed,
     the dead inputs armed with the donors are let go, every step so far may
-    have failed (``failures.note_failure``: their open verdicts will not
+    have failed (``verdicts.note_failure``: their open verdicts will not
     read "unused"), and the donors settle STEP_FAILED, values kept, or LOST
     if torch_xla lost the buffer.
 
@@ -251,23 +316,17 @@ def fail(donors, dead_inputs=None) -> None:
     released = [e for e in donors if e[0] is None]
     if released:
         # Released with one device only: the thread's.
-        xla.set_unheld_flags(_devices.barrier_device(""),
+        xla.set_unheld_flags(verdicts.barrier_device(""),
                              lambda carrier, i: C.point_carrier(carrier, released[i]),
                              len(released), False)
-    failures.note_failure()
+    verdicts.note_failure()
     verdicts.failed(donors)
 
 
 def _unpoisoned_error(failed) -> TypeError:
     (t, record), message = failed[0]
     more = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
-    return TypeError(
-        f"torch_xla_donate could not mark the donated {type(t).__qualname__} "
-        f"{record.shape_string}{more} as donated after step {record.step} ({message}). The "
-        f"step ran and its results are intact, and operators on the tensor still raise "
-        f"DonatedBufferError, but Python code that only looks at the object will not be "
-        f"told. Do not change the class of a tensor between donating it and the step."
-    )
+    return TypeError(messages.unpoisoned(t, record, message, more))
 
 
 # -- Executions that commit nothing ----------------------------------------
@@ -288,7 +347,7 @@ def flush_before(*args, **kwargs):
         return C.PASS
     lock.acquire()
     try:
-        verdicts.disarm_in_flight(_devices.barrier_device(""))
+        verdicts.disarm_in_flight(verdicts.barrier_device(""))
     except BaseException:
         lock.release()
         raise

@@ -1,20 +1,17 @@
-"""Process-wide switches: strict mode and the off switch.
+"""The switches (``configure`` and the environment), whether donation is on,
+and the state native marking reads.
 
-Both can be set by environment variable (read at import) or by
-``configure``:
-
-* ``TORCH_XLA_DONATE_STRICT=1`` / ``configure(strict=True)``: a donation that
-  a step could not use raises ``UnusedDonationError`` instead of warning
-  (JAX users asked for this in jax#9675).  The tensor still keeps its value.
-* ``TORCH_XLA_DONATE_DISABLE=1`` / ``configure(enabled=False)``: for
-  debugging, ``donate_buffer`` checks its argument and then does nothing,
-  warning once.  Nothing is donated or poisoned.
+* ``TORCH_XLA_DONATE_STRICT=1`` / ``configure(strict=True)``: an unusable
+  donation raises ``UnusedDonationError`` instead of warning (JAX users
+  asked for this in jax#9675); the tensor keeps its value;
+* ``TORCH_XLA_DONATE_DISABLE=1`` / ``configure(enabled=False)``: marking
+  checks its argument and does nothing, warning once;
 * ``TORCH_XLA_DONATE_AUTO=1`` / ``configure(auto=True)``: each step barrier
-  also donates the step inputs nothing else holds any more (_outcomes/auto.py).
+  also donates the step inputs nothing else holds (_auto.py).
 
-Retired: ``configure(check_sharing=...)`` and ``TORCH_XLA_DONATE_CHECK_SHARING``
-are accepted and ignored with a ``DeprecationWarning``: who else holds a
-donor's buffer is always checked (_outcomes/sharing.py).
+Donation is also off under torch_xla's ``XLA_ENABLE_PARAM_ALIASING=0`` and
+once a guard failed (_guards.py).  ``refresh`` is the one writer of the
+native marking state (``C.set_marking_state``).
 
 >>> import torch_xla_donate as tdx
 >>> old = tdx.configure(strict=True)
@@ -25,7 +22,14 @@ import os
 import threading
 import warnings
 
-__all__ = ["configure", "strict", "enabled", "auto"]
+from . import _guards as guards
+from . import _messages as messages
+from . import _xla as xla
+from . import _xla_cpu as xla_cpu
+from ._native import C
+from .errors import DonationDisabledWarning
+
+__all__ = ["configure", "strict", "enabled", "auto", "on", "warn_if_off", "refresh", "hooks_in"]
 
 _lock = threading.Lock()
 
@@ -50,11 +54,6 @@ if "TORCH_XLA_DONATE_CHECK_SHARING" in os.environ:
                   DeprecationWarning, stacklevel=2)
 
 
-# Called with no argument after ``configure`` changed a switch (the step
-# hook opens or closes its native fast path of marking).
-changed_listeners = []
-
-
 def configure(*, strict: bool | None = None, enabled: bool | None = None,
               check_sharing=None, auto: bool | None = None) -> dict:
     """Sets the switches given; None leaves one as it is.
@@ -66,7 +65,7 @@ def configure(*, strict: bool | None = None, enabled: bool | None = None,
       check_sharing: retired: accepted and ignored with a
         ``DeprecationWarning`` (ownership is always checked).
       auto: at each step barrier also donate the step inputs nothing else
-        holds (_outcomes/auto.py); off by default.
+        holds; off by default.
 
     Returns:
       The previous values, so ``configure(**previous)`` restores them.
@@ -86,8 +85,7 @@ def configure(*, strict: bool | None = None, enabled: bool | None = None,
         for name, value in given.items():
             if value is not None:
                 _state[name] = value
-    for listener in changed_listeners:
-        listener()
+    refresh()
     return previous
 
 
@@ -99,6 +97,48 @@ def enabled() -> bool:
     return _state["enabled"]
 
 
-
 def auto() -> bool:
     return _state["auto"]
+
+
+def on() -> bool:
+    """Whether donation is on: no switch and no guard turns it off."""
+    return _state["enabled"] and xla.aliasing_enabled() and guards.failure() is None
+
+
+_disabled_warned = set()
+
+
+def warn_if_off() -> bool:
+    """True, with the once-per-reason ``DonationDisabledWarning`` at the
+    user's line, when donation is off (a loop donates every step)."""
+    if on():
+        return False
+    if guards.failure() is not None:
+        message = messages.GUARD.format(why=guards.failure())
+    else:
+        message = messages.OFF if not _state["enabled"] else messages.ALIASING_OFF
+    if message not in _disabled_warned:
+        _disabled_warned.add(message)
+        warnings.warn(message, DonationDisabledWarning, stacklevel=messages.user_stacklevel())
+    return True
+
+
+_hooks_in = False
+
+
+def hooks_in(in_: bool) -> None:
+    """_hooks.py: the hooks are in or out (without them nothing would
+    commit a mark, so marking is off)."""
+    global _hooks_in
+    _hooks_in = in_
+    refresh()
+
+
+def refresh() -> None:
+    """Tells native marking whether donation is on, whether a
+    ``StaleReadWarning`` is owed first, and whether the guards ran.
+    (torch_xla reads ``XLA_ENABLE_PARAM_ALIASING`` when it first compiles,
+    so a change before the first step still counts: every barrier calls
+    this.)"""
+    C.set_marking_state(_hooks_in and on(), xla_cpu.warning_due(), guards.decided())

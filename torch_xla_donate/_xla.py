@@ -1,20 +1,25 @@
-"""The one place that talks to torch_xla's private ``_XLAC`` functions.
-
-Every question the plugin asks the lazy-tensor executor goes through here, so
-a torch_xla upgrade that renames or changes one of them breaks one module.
+"""Everything the plugin asks of torch_xla: its private ``_XLAC`` functions
+(one place, so an upgrade that changes one breaks one module), the native
+reads of its tensors (``read_*``: csrc/lazy/lazy_reads.h, guarded by
+_guards.py; a tensor the reader declines, no plain device data, reads None)
+and the walk of its live-tensor registry.
 """
+import ctypes
+import mmap
 import os
+import struct
+from typing import NamedTuple
 
 import torch
 import torch_xla
 import torch_xla.runtime
 
-from .native import C
+from ._native import C
 
 _XLAC = torch_xla._XLAC
 
 # torch_xla's own functions, taken before the plugin puts its trampolines in
-# their place (_hooks/executions.py): what the plugin itself calls.  (The
+# their place (_hooks.py): what the plugin itself calls.  (The
 # benchmarks put a timed wrapper here to time the real barrier.)
 REAL = {
     name: getattr(_XLAC, name)
@@ -52,7 +57,6 @@ def set_donor(t: torch.Tensor, donate: bool) -> bool:
 
     Returns False, changing nothing, when ``t`` is not plain device data: it
     has pending IR, or it is a view (its IR is still an ``aten::view``).
-    Only commit.py arms flags, inside an execution it commits.
     """
     return REAL["_set_buffer_donation"](t, donate)
 
@@ -134,7 +138,7 @@ def wait_device_ops(device=None) -> None:
     thread, and a step of another device may sit in a collective until its
     thread reaches its next barrier; waiting for it would deadlock.
     """
-    wait = _XLAC._xla_wait_device_ops  # through the plugin's trampoline: failures.py listens
+    wait = _XLAC._xla_wait_device_ops  # through the plugin's trampoline: _verdicts.py listens
     if device is None or local_device_count() == 1:
         wait([])
     else:
@@ -212,7 +216,147 @@ def increment_counter(name: str, value: int) -> bool:
     return True
 
 
-# What the native commit calls of torch_xla's and torch's: the package's
-# install step hands them over with the other layers' (``C.bind``,
-# _hooks/install.py).
-NATIVE_HOOKS = dict(tensor_type=torch.Tensor)
+# -- Native reads ----------------------------------------------------------
+
+LazyFacts = NamedTuple("LazyFacts", [(name, object) for name in C.LAZY_FACT_FIELDS])
+LazyFacts.__doc__ = "Every fact the native reader gives (csrc/lazy/lazy_reads.h)."
+
+
+class Holders(NamedTuple):
+    expected: int
+    actual: int
+    xla_tensor_refs: int
+
+
+def read_pending(tensors) -> list:
+    """Pending computation per tensor; a tensor the reader declines counts
+    as pending (it is no plain device data)."""
+    return C.pending_flags(list(tensors))
+
+
+def read_buffer_key(t):
+    """Equal for two tensors exactly when they share one live buffer; 0
+    without one (pending, consumed, still computing)."""
+    return C.lazy_buffer_key(t)
+
+
+def read_owner_ids(tensors) -> list:
+    """Per tensor, the tensor id its live buffer is filed under (-1: none,
+    an upload no graph read), None without a live buffer."""
+    return C.lazy_owner_ids(list(tensors))
+
+
+def read_holders(tensors) -> list:
+    """Per tensor with a handle: ``Holders(expected, actual,
+    xla_tensor_refs)``; None when unknown (no handle, or functionalization
+    off: torch_xla's own views then hold buffers the reader cannot see)."""
+    return [None if h is None else Holders(*h) for h in C.lazy_holders(list(tensors))]
+
+
+def read_excess(tensors):
+    """``[(index, extra)]`` of the donors whose buffer has holders beyond
+    those the donors sharing it account for; ``[]`` for none; None when any
+    tensor's holders are unknown (see ``holders``)."""
+    return C.lazy_excess(list(tensors))
+
+
+def read_facts(t):
+    f = C.lazy_facts(t)
+    return None if f is None else LazyFacts(*f)
+
+
+# -- The live-tensor registry ------------------------------------------------
+
+SYMBOL = b"_ZZN9torch_xla16XLAGraphExecutor18DeviceContextArena3GetEvE5arena"
+
+_SHT_SYMTAB = 2
+_SYM_SIZE = 24  # Elf64_Sym
+
+
+def _symbol_value(path: str, name: bytes):
+    """The value of ``name`` in the ELF64 symbol table of ``path``, or None.
+
+    The string table is searched for the name, then the symbol table for
+    the entry naming that string: two ``find`` calls over the mapped file,
+    no Python loop over its (hundreds of thousands of) symbols."""
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        if mm[:4] != b"\x7fELF" or mm[4] != 2 or mm[5] != 1:  # ELF64, little-endian
+            return None
+        shoff, = struct.unpack_from("<Q", mm, 0x28)
+        shentsize, shnum = struct.unpack_from("<HH", mm, 0x3A)
+        for i in range(shnum):
+            header = shoff + i * shentsize
+            if struct.unpack_from("<I", mm, header + 4)[0] != _SHT_SYMTAB:
+                continue
+            offset, size, link = struct.unpack_from("<QQI", mm, header + 0x18)
+            strings = shoff + link * shentsize
+            str_offset, str_size = struct.unpack_from("<QQ", mm, strings + 0x18)
+            at = mm.find(b"\0" + name + b"\0", str_offset, str_offset + str_size)
+            if at < 0:
+                return None
+            key = struct.pack("<I", at + 1 - str_offset)
+            pos = mm.find(key, offset, offset + size)
+            while pos >= 0:
+                if (pos - offset) % _SYM_SIZE == 0:
+                    return struct.unpack_from("<Q", mm, pos + 8)[0]
+                pos = mm.find(key, pos + 1, offset + size)
+            return None
+        return None
+    finally:
+        mm.close()
+
+
+def _load_address(path: str):
+    """Where ``path`` is mapped in this process (its offset-0 mapping)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 6 and parts[5] == path and int(parts[2], 16) == 0:
+                return int(parts[0].split("-")[0], 16)
+    return None
+
+
+def find_arena():
+    """Finds torch_xla's live-tensor registry and hands it to the walk
+    (csrc/lazy/live_tensors.h): None, or why not (docs/design.md, "The
+    live-tensor registry")."""
+    path = xlac_library()
+    try:
+        value, base = _symbol_value(path, SYMBOL), _load_address(path)
+    except (OSError, ValueError, struct.error) as error:
+        return f"reading {path} failed: {error!r}"
+    if value is None:
+        return f"{SYMBOL.decode()} is not in {path}'s symbol table (a stripped build?)"
+    if base is None:
+        return f"{path} is not mapped in this process"
+    arena = ctypes.c_void_p.from_address(base + value).value
+    if not arena:
+        return "torch_xla has not made its arena yet"
+    return C.live_set_arena(arena) or None
+
+
+def walk_in_use() -> bool:
+    """Whether the walk is on (the guards passed: _guards.py)."""
+    return C.live_arena() != 0
+
+
+def same_step_copies(donors, with_handles=False):
+    """``{index: ids}`` for the donors with copies: the torch_xla ids of the
+    live tensors, other than the donors, that the barrier will back with
+    its buffer (a copy made since the last barrier) and, ``with_handles``,
+    those holding that buffer itself; ``{index: None}`` where the donor
+    cannot be read.  A donor with neither is left out: nothing per donor in
+    the common case.  None when the walk is off."""
+    donors = list(donors)
+    if not donors:
+        return {}
+    return C.same_step_copies(donors, with_handles) if walk_in_use() else None
+
+
+def live_tensors():
+    """Every live XLA tensor as ``(tensor_id, handle, ir_node,
+    ir_is_device_data, device_data_buffer)`` (addresses: compare them), or
+    None when the walk is off."""
+    return C.live_tensors() if walk_in_use() else None

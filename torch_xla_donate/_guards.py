@@ -4,7 +4,7 @@ each reach, and what it guards against: docs/design.md, "Reading torch_xla").
 They are decided once per process, at the first mark, on the tensor being
 marked: no tensor of torch_xla's and no graph of their own, so torch_xla's
 metrics show the user's step alone.  A guard that fails switches donation
-off for the process (``failure()``; switches.py gives the
+off for the process (``failure()``; _config.py gives the
 ``DonationDisabledWarning`` at the next marking, every value kept); the
 later ones are not tried.
 
@@ -12,7 +12,7 @@ later ones are not tried.
   ``XLATensorImpl`` and of the ``XLATensor`` the layout fact says follows
   it; then the tensor's native id, pending state, consumed state and buffer
   handle must be ``_XLAC``'s;
-* ``walk``: torch_xla's live-tensor registry found (arena.py), its count of
+* ``walk``: torch_xla's live-tensor registry found (_xla.py), its count of
   live tensors torch_xla's own, the tensor found in it;
 * ``poisoning``: the donated key's fallback registered (nobody else's is),
   a CPU probe refused with the key and served without it.
@@ -28,8 +28,8 @@ import threading
 import torch
 from torch.utils import _python_dispatch
 
-from . import arena, xla
-from .native import C
+from . import _xla as xla
+from ._native import C
 
 __all__ = ["decide", "decided", "failure", "state", "describe_mismatch", "CORRUPT"]
 
@@ -128,7 +128,7 @@ def _reads(t):
 def _walk(t):
     """None when the walk of live tensors agrees with torch_xla's, else why
     not: its count is torch_xla's own, and it finds ``t``."""
-    why = arena.find()
+    why = xla.find_arena()
     if why:
         return why
     for _ in range(3):  # another thread may make or drop tensors meanwhile

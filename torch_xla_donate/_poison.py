@@ -1,55 +1,31 @@
-"""Poisoning: turning a donated tensor into one that refuses every use.
+"""Poisoning: a donated tensor refuses every use at the line that touched it.
 
-After a step consumed a tensor's buffer, torch_xla still lets Python touch the
-tensor and fails much later with a message about async operations or deleted
-buffers.  A poisoned tensor instead raises ``DonatedBufferError`` right at the
-line that touched it, naming what was donated, by which call, where and at
-which step::
+A step's donors are poisoned natively (``C.finish``, csrc/outcomes/poison.h);
+``poison``/``unpoison`` here do the same for one tensor (companions, lost
+buffers, an unused donation given back).  The tensor torch_xla computes
+with (for a functional tensor, the one the wrapper holds) takes a dispatch
+key of the plugin's, whose fallback hands the donated arguments of any
+operator to ``on_donated_dispatch``; the tensor the user holds takes a twin
+of its class (``nn.Parameter`` stays one, a subclass keeps its methods)
+whose ``repr`` says it was donated.  Metadata stays readable.
 
-    >>> old = params; tdx.donate_buffer(params)          # doctest: +SKIP
-    >>> params = params - lr * grads; torch_xla.sync()   # doctest: +SKIP
-    >>> old + 1                                          # doctest: +SKIP
-    DonatedBufferError: This tensor (f32[4096,4096], 67108864 bytes) was ...
-
-How: every operator reaches torch_xla's tensor through c10's dispatcher.
-Poisoning gives that tensor (for torch_xla's default functional tensors, the
-XLA tensor the functional wrapper holds) a dispatch key of the plugin's,
-whose native fallback hands the donated arguments to ``on_donated_dispatch``
-(csrc/outcomes/donated_key.h).  So the error comes from the dispatcher
-itself, whoever calls the operator: Python code, ``torch.func.vmap``/
-``grad``, ``torch.jit.trace``, autograd's backward, ``Tensor.set_``,
-``Tensor._make_subclass``.  The tensor the user holds also takes a twin of
-its class (``nn.Parameter`` stays a Parameter, a user subclass keeps its
-methods) whose ``repr`` says plainly that it was donated.  Metadata (shape,
-dtype, device, ``requires_grad``) stays readable: it is no operator.  Code
-that hands the tensor straight to torch_xla's C++ (``torch_xla._XLAC.*``) is
-not seen and gets torch_xla's own error.
-
-A poisoned tensor is in one of two states:
-
-* *in flight*: the step was dispatched asynchronously and it is not yet known
-  whether XLA took the buffer.  The first use settles the verdict (waiting for
-  the device if need be): a tensor whose donation went unused gets its class
-  and dispatch key back and the operator simply runs.
-* *consumed*: the buffer now holds a step output; every use raises, except
-  a refill: ``t.copy_(s)`` writes every element and reads none, so the
-  tensor takes ``s``'s value and is live again (``load_state_dict`` into a
-  module whose parameters were donated, torch.compile writing back an input
-  its graph changed in place).
+A poisoned tensor is *in flight* until its verdict (the first use settles
+it, waiting for the device if needed; an unused donation gives the value
+back and the operator runs) or *consumed*: every use raises, but a refill
+(``t.copy_(s)``: every element written, none read) makes it live again.
 """
 import torch
 
-from .._base.dtypes import shape_string
-from .._base.errors import DonatedBufferError
-from .._base.native import C
+from . import _messages as messages
+from ._native import C
+from .errors import DonatedBufferError
 
 __all__ = ["poison", "unpoison", "is_poisoned", "donation_record", "donated_error",
            "check_poisonable", "consumed", "settled_consumed", "first_consumed",
            "refuse_consumed", "donated_in", "inner", "set_settler", "on_donated_dispatch"]
 
-# Settles an in-flight tensor's verdict before a use goes on: verdicts.py's
-# settle_one, which imports this module, so _outcomes/__init__.py hands it
-# over (set_settler) once both are loaded.
+# Settles an in-flight tensor's verdict before a use goes on: _verdicts.py's
+# settle_one, which imports this module, hands it over (set_settler).
 _settle = None
 
 
@@ -140,7 +116,7 @@ def inner(t):
 def poison(t: torch.Tensor, record, note: str = "") -> None:
     """Makes ``t`` refuse use; ``record`` is its ledger entry (in flight or
     consumed), ``note`` says how ``t`` lost its buffer when it was not the
-    donated tensor itself (ownership.py's companions).  ``C.poison`` does
+    donated tensor itself (_holders.py companions).  ``C.poison`` does
     it (csrc/outcomes/poison.h), as the commit does for a step's donors: the
     record and the donated key on the tensor torch_xla computes with, the
     twin class on ``t``."""
@@ -184,13 +160,7 @@ def check_poisonable(t) -> None:
     try:
         _set_class(t, twin)
     except (TypeError, AttributeError) as error:
-        raise TypeError(
-            f"cannot donate a {cls.__qualname__}: after the step torch_xla_donate marks a "
-            f"consumed tensor by giving it a twin of its class, and {cls.__qualname__} "
-            f"refuses that ({error}). Donate a plain tensor with the same value instead "
-            f"(torch.Tensor._make_subclass(torch.Tensor, t) shares its buffer), or give "
-            f"{cls.__qualname__} a layout its subclasses can share (no __slots__)."
-        ) from None
+        raise TypeError(messages.unpoisonable(cls, error)) from None
     _set_class(t, cls)
     _register(cls)
 
@@ -270,28 +240,8 @@ def settled_consumed(t) -> bool:
 def donated_error(t) -> DonatedBufferError:
     record = donation_record(t)
     note = C.tagged_note(inner(t))
-    if note:  # a companion: taken down with another tensor's donation
-        return DonatedBufferError(
-            f"This tensor ({shape_string(t)}) lost its buffer with a donation: {note}. "
-            f"{record.via} at {record.where} donated that buffer ({record.shape_string}) "
-            f"and step {record.step} reused it for an output, so this value is gone "
-            f"too. Use the step's results instead (for a module, load them into it), "
-            f"or donate a copy that shares nothing with it."
-        )
-    if record.verdict == C.Verdict.LOST:
-        return DonatedBufferError(
-            f"This tensor ({record.shape_string}, {record.nbytes} bytes) was donated by "
-            f"{record.via} at {record.where}; step {record.step} failed, and torch_xla "
-            f"lost the donated buffer with it (torch_xla 2.7 does when a step fails to "
-            f"compile), so its value is gone. Recompute or reload it."
-        )
-    return DonatedBufferError(
-        f"This tensor ({record.shape_string}, {record.nbytes} bytes) was donated by "
-        f"{record.via} at {record.where}, and step {record.step} reused its "
-        f"buffer for an output, so its value is gone. Use the step's result instead, "
-        f"or, if you still need this tensor, do not donate it (undonate(t) cancels a "
-        f"mark before the step)."
-    )
+    shape = messages.shape_string(t) if note else ""
+    return DonatedBufferError(messages.donated(record, note, shape))
 
 
 def donated_in(args, kwargs):
@@ -310,8 +260,8 @@ def donated_in(args, kwargs):
     return found
 
 
-# What native poisoning (csrc/outcomes/poison.cpp, ``C.disarm_and_poison``)
-# calls back: the package's install step binds them (_hooks/install.py).
+# What native poisoning (csrc/outcomes/poison.cpp) needs of Python: the
+# package's install step binds them (_hooks.py).
 NATIVE_HOOKS = dict(donated_type=_DonatedTensor, on_donated_dispatch=on_donated_dispatch)
 
 for _cls in (torch.Tensor, torch.nn.Parameter):  # their instances swap classes freely

@@ -1,34 +1,30 @@
-"""Which torch_xla releases the plugin runs on, and the few places where they
-differ.
+"""The one owner of the native library ``torch_xla_donate._C``, the releases
+it runs on, and the commit lock.
 
 Supported: torch_xla 2.7, 2.8 and 2.9, each with the torch release of the
-same number (torch_xla wheels do not declare it, so a mismatch installs
-silently and fails in odd places).  torch_xla 2.6 and older ignore explicit
-donor flags at the step barrier (honoured from 2.7, pytorch/xla#8982): the
-core cannot work there, and importing the plugin says so.
-
-Differences are found by looking at what torch_xla offers, not by version
-numbers scattered through the code:
-
-* ``gradient_accumulation`` takes the carried tensors as varargs from 2.8
-  (``gradient_accumulation(step, xs, model, *carried)``) and as one tuple
-  before (``gradient_accumulation(step, xs, model, carried)``):
-  ``call_gradient_accumulation`` calls it either way.
-* torch_xla 2.7 loses a donated buffer when the step that donates it fails
-  to compile (2.8 keeps it): not a feature to detect but an outcome to
-  observe, which verdicts.py does for every release (verdict LOST).
+same number (torch_xla's wheels do not declare it, so a mismatch installs
+silently).  torch_xla 2.6 and older ignore explicit donor flags at the step
+barrier (honoured from 2.7, pytorch/xla#8982): importing says so.
 
 >>> check_versions("2.9.0+cu128", "2.9.0")
->>> check_versions("2.8.0", "2.8.1")
 >>> check_versions("2.6.0", "2.6.0")
 Traceback (most recent call last):
 ImportError: torch_xla_donate needs torch_xla 2.7, 2.8 or 2.9; this is torch_xla 2.6.0, ...
+>>> Verdict.REUSED.name, Via.DONATE_BUFFER.value
+('REUSED', 0)
 """
+import atexit
 import inspect
 import re
+import threading
 
-__all__ = ["SUPPORTED", "release", "check_versions", "check_build", "call_gradient_accumulation",
-           "carried_as_varargs"]
+import torch
+import torch_xla
+
+from . import _C as C
+
+__all__ = ["C", "Verdict", "Via", "lock", "SUPPORTED", "release", "check_versions",
+           "check_build", "carried_as_varargs", "call_gradient_accumulation"]
 
 SUPPORTED = ((2, 7), (2, 8), (2, 9))
 
@@ -66,8 +62,7 @@ def check_versions(torch_version: str, torch_xla_version: str) -> None:
 
 def check_build(built_for, torch_version: str) -> None:
     """Raises ImportError unless the native extension was built against this
-    torch (its ABI follows torch; a checkout switched between releases keeps
-    the extension of the last build).
+    torch (a checkout switched between releases keeps the last build).
 
     >>> check_build("2.9.0+cu128", "2.9.0+cu128"); check_build(None, "2.8.0")
     >>> check_build("2.7.0", "2.9.0")
@@ -91,8 +86,53 @@ def carried_as_varargs(gradient_accumulation) -> bool:
 
 def call_gradient_accumulation(gradient_accumulation, train_step, iterable_tensors, model,
                                *carried):
-    """``gradient_accumulation`` with the carried tensors in the form this
-    torch_xla takes them."""
+    """``gradient_accumulation`` with the carried tensors as this torch_xla
+    takes them."""
     if carried_as_varargs(gradient_accumulation):
         return gradient_accumulation(train_step, iterable_tensors, model, *carried)
     return gradient_accumulation(train_step, iterable_tensors, model, tuple(carried))
+
+
+check_versions(torch.__version__, torch_xla.__version__)
+check_build(C.BUILT_FOR_TORCH, torch.__version__)
+
+Verdict = C.Verdict
+Via = C.Via
+
+
+class _CommitLock:
+    """The re-entrant lock of a commit, which native marking sees: it counts
+    its holders in ``_C``, and a mark made while another thread holds it
+    waits for it (Refusal.COMMITTING).
+
+    >>> with lock:
+    ...     C.lock_holders() > 0
+    True
+    """
+
+    def __init__(self):
+        self._lock = threading.RLock()
+
+    def acquire(self):
+        self._lock.acquire()
+        C.note_lock(True)
+
+    def release(self):
+        C.note_lock(False)
+        self._lock.release()
+
+    def __enter__(self):
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc_info):
+        self.release()
+
+
+lock = _CommitLock()
+
+# The consumed buffers the native reaper frees off the loop's thread: all
+# freed before the interpreter and torch_xla's runtime go.  Registered after
+# torch_xla's own exit handler (``_prepare_to_exit``, at its import), so run
+# before it.
+atexit.register(C.reaper_drain, True)

@@ -1,55 +1,17 @@
 """Right values on torch_xla's CPU backend: XLA:CPU's XNNPACK switched off.
 
-The problem
------------
-In torch_xla 2.9, on some x86 CPUs, XLA:CPU's XNNPACK path can compute a
-matmul with a buffer's *old* contents after that buffer was reused in place
-at the same address: by a donation, and by torch_xla's own aliasing of
-in-place updates (``p.sub_(lr * g)``), with or without this package.  A
-donated loop then drifts from the same loop without donation.  XLA's
-``--xla_cpu_use_xnnpack=false`` makes every such loop right
-(``tools/repros/xnnpack_stale_read.py`` shows the bug where the CPU has it;
-TPU and GPU backends do not use XNNPACK).
-
-What the package does
----------------------
-At import, on the CPU backend (``PJRT_DEVICE=CPU``, which torch_xla also
-picks when it finds no accelerator), before torch_xla's runtime has started
-(XLA reads ``XLA_FLAGS`` once, when it starts), and when ``XLA_FLAGS`` does
-not already decide the switch, ``--xla_cpu_use_xnnpack=false`` is added to
-``XLA_FLAGS`` and the log says so once (logger ``torch_xla_donate``, INFO),
-as torch_xla itself adds ``--xla_cpu_enable_fast_math=false``.  The flag is
-added only when this torch_xla's XLA knows it (an unknown flag makes XLA
-abort at start): ``flag_supported`` looks for its name in ``_XLAC``.
-
-When the package cannot protect the process (the runtime had started before
-the import, or ``XLA_FLAGS`` turns XNNPACK on explicitly), the first donation
-gives a ``StaleReadWarning`` naming the flag; nothing is changed silently.
-``TORCH_XLA_DONATE_CPU_XNNPACK=keep`` leaves ``XLA_FLAGS`` alone (and warns
-as above).
-
-The tricky case: ``XLA_FLAGS`` replaced after the import
---------------------------------------------------------
-A common SPMD recipe assigns ``os.environ["XLA_FLAGS"] = "--xla_force_host_
-platform_device_count=4"`` *after* the imports, which drops the flag added
-here.  XLA reads ``XLA_FLAGS`` when torch_xla's runtime starts (measured: an
-assignment after ``torch_xla.device()`` has no effect), so what counts is
-the variable at that moment.  ``recheck`` looks again until the runtime has
-started: at ``torch_xla.device()`` / ``torch_xla.devices()`` (wrapped by
-``watch_runtime_start``: just before the runtime can start), at every barrier
-and marking (``warning_due``) and in the reports.  Before the start it
-re-adds a dropped flag (state ``"re-added"``, logged); after a start it did
-not witness (a tensor created with ``device="xla"`` starts the runtime from
-C++), a missing flag means XLA runs with XNNPACK on (``"lost"``): the first
-donation warns, naming the fix.  Once the runtime has started the state is
-final and ``recheck`` costs one test of a global.
-
-Releases
---------
-torch_xla 2.7 and 2.8 build XLA with XNNPACK off by default (measured: 2.8's
-compiled graphs list the option only when the flag sets it on, and the
-repro computes right on both): there nothing is added and nothing is owed,
-unless ``XLA_FLAGS`` turns XNNPACK on.
+torch_xla 2.9's XLA:CPU can compute a matmul with a buffer's old contents
+after the buffer was reused in place (a donation, or torch_xla's own
+aliasing of in-place updates) on some x86 CPUs; ``--xla_cpu_use_xnnpack=false``
+makes such loops right (docs/xnnpack.md).  At import, on the CPU backend,
+before torch_xla's runtime starts (XLA reads ``XLA_FLAGS`` once, then), and
+when ``XLA_FLAGS`` does not decide it, the flag is added and logged once.
+``XLA_FLAGS`` replaced after the import is looked at again until the runtime
+starts (``recheck``: at ``torch_xla.device()``, every barrier and marking).
+When the process cannot be protected, the first donation gives a
+``StaleReadWarning`` naming the flag; nothing changes silently.
+``TORCH_XLA_DONATE_CPU_XNNPACK=keep`` leaves ``XLA_FLAGS`` alone.  torch_xla
+2.7 and 2.8 have XNNPACK off by default: nothing is added there.
 
 >>> decide("CPU", "", runtime_started=False, supported=True, keep=False)
 'add'
@@ -68,9 +30,9 @@ import warnings
 
 import torch_xla
 
-from .compat import release
+from ._messages import user_stacklevel
+from ._native import release
 from .errors import StaleReadWarning
-from .sites import user_stacklevel
 
 __all__ = ["FLAG", "protect_at_import", "decide", "chosen_value", "flag_supported",
            "on_by_default", "recheck", "watch_runtime_start", "warn_if_unprotected",

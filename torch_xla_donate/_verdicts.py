@@ -1,66 +1,49 @@
-"""Verdicts: what became of each committed donation.
+"""Verdicts: what became of each committed donation, and when it is known.
 
-Example (a loop that never waits)::
+Whether XLA took a buffer is visible only once the execution has been
+dispatched (the input's buffer is then deleted); with ``sync(wait=False)``
+that may be a moment later, and before that a buffer XLA holds for a
+donation reads as deleted even if a failing step gives it back.  So each
+donation waits *in flight*, poisoned, until the next barrier of its device
+(which cannot start before this step was dispatched), the first use of the
+tensor (``settle_one``), ``is_deleted`` or ``settle()``: nothing blocks the
+training loop.  The verdicts:
 
-    tdx.donate_buffer(p); p = p * 0.9 + g
-    torch_xla.sync(wait=False)   # the verdict is in flight: nothing blocks
-    ...
-    torch_xla.sync(wait=False)   # the next barrier settles it (REUSED)
+* REUSED: the buffer is gone; the tensor stays poisoned (native:
+  ``C.settle_entries``);
+* UNUSED: no output could take it: value given back, poison lifted, and an
+  ``UnusedDonationWarning`` (``UnusedDonationError`` in strict mode);
+* STEP_FAILED, DISABLED: value kept, quietly (``_keep``);
+* LOST: the step failed and torch_xla lost the buffer (2.7, a compile
+  error): the tensor refuses use (``_lose``);
+* DROPPED: decided against at the commit, value kept (``drop``).
 
-The problem
------------
-Whether XLA really took a buffer is visible only once the execution has been
-dispatched (the input's buffer is then deleted), and with
-``sync(wait=False)`` that may be a moment later; before that, a buffer XLA
-holds for a donation reads as deleted even if a failing step gives it back.
-
-In flight until certain
------------------------
-So each donation waits *in flight*, poisoned: it is settled by the next
-barrier of its device (which cannot start before this step was dispatched),
-by the first use of the tensor (``settle_one``, which poison.py calls), by
-``is_deleted``, or by ``settle()``.  Nothing blocks the training loop.
-
-The verdicts
-------------
-* REUSED: the buffer is gone; the tensor stays poisoned;
-* UNUSED: no output could take it (or it was no input of the graph): the
-  tensor gets its value back and an ``UnusedDonationWarning`` says so, once
-  per line and shape (unused.py; ``UnusedDonationError`` in strict mode,
-  every time);
-* STEP_FAILED: the execution failed (failures.py): value kept, quietly;
-* LOST: the execution failed and torch_xla lost the buffer with it
-  (torch_xla 2.7 on a compile error): the tensor refuses use.
-
-An unused donation cannot fire at a later step: torch_xla's donor flag is
-cleared as soon as the execution has built its graph (commit.py), or, for a
-donor the commit keeps by its buffer alone (released, or poisoned and held
-weakly), by the verdict that gives the value back (``_keep``) and, before
-then, by every later commit before its graph is built
-(``disarm_in_flight``) if the buffer still holds a value and the user still
-holds its tensor.
-
-Where each verdict is set
--------------------------
-Once, in one place each; every Python ``C.settle`` call is in this module
-(test/base/test_layering.py checks):
-
-* REUSED: natively only, ``C.settle_entries`` (csrc/hooks/commit.cpp), for
-  a barrier's entries (``_settle``) and for one tensor about to be used
-  (``settle_one``) alike;
-* UPDATED_IN_PLACE: natively, ``C.split_committed`` at the commit;
-* UNUSED, STEP_FAILED, DISABLED (value kept, poison lifted): ``_keep``;
-* LOST: ``_lose``;
-* DROPPED: ``drop``, which the commit's judges call
-  (``ownership.drop``, ``commit.undecided``, ``commit._cancel_junk``).
+A failed step (a compile error, an out-of-memory surfacing at the next
+barrier or wait) is one of every step so far: their open verdicts whose
+buffer survived settle STEP_FAILED, never "unused".  With several devices
+(``torch_xla.launch``: one thread each) a barrier is certain only about
+its own device's verdicts, and nothing here waits for a device while
+holding the lock (another device's step may sit in a collective until its
+thread passes its own barrier).
 """
-from .._base import reads, xla
-from .._base.lock import lock
-from .._base.native import C
-from . import auto, autograd_holds, companions, devices, failures, poison, unused
+import threading
+import weakref
+
+import torch
+
+from . import _auto as auto
+from . import _holders as holders
+from . import _messages as messages
+from . import _poison as poison
+from . import _xla as xla
+from ._config import strict
+from ._native import C, lock
+from .errors import DroppedDonationWarning, UnusedDonationError, UnusedDonationWarning
 
 __all__ = ["after_commit", "settle", "settle_one", "abandon", "failed", "drop",
-           "disarm_in_flight", "settled_listeners", "notify_settled"]
+           "disarm_in_flight", "release_unheld", "settled_listeners", "notify_settled",
+           "barrier_device", "marks_on", "dispatched", "wait_before", "wait_after",
+           "note_failure", "note_module_buffers"]
 
 # (tensor, record) C.Entry of committed donations whose verdict is not known
 # yet; the tensor is None once the commit released it (commit.finish): the
@@ -74,7 +57,7 @@ settled_listeners = []
 
 
 def notify_settled() -> None:
-    companions.settle_companions()
+    holders.settle_companions()
     for listener in settled_listeners:
         listener()
 
@@ -85,7 +68,7 @@ def after_commit(device, donors, certain: bool) -> None:
     before the previous one was dispatched); this one's are if ``certain``
     (the execution was waited for).  Called with the lock held."""
     global _in_flight
-    earlier, others = devices.split_by_device(_in_flight, device)
+    earlier, others = _split_by_device(_in_flight, device)
     try:
         earlier = _settle(earlier, certain=True)
         donors = _settle(donors, certain=certain)
@@ -143,7 +126,7 @@ def _consumed(entry) -> bool:
     released entry keeps (its tensor is None: the commit let it go), else
     from its tensor."""
     consumed = C.entry_consumed(entry)
-    return reads.is_consumed(entry[0]) if consumed is None else consumed
+    return C.lazy_is_consumed(entry[0]) if consumed is None else consumed
 
 
 def _settle(entries, certain: bool) -> list:
@@ -156,15 +139,15 @@ def _settle(entries, certain: bool) -> list:
     """
     if not certain:
         return entries
-    if failures.any_failed():  # see failures.py: kept, or lost with the step
-        failed([e for e in entries if failures.in_failed_step(e[1])])
+    if _failed_through > 0:  # see failures.py: kept, or lost with the step
+        failed([e for e in entries if _in_failed_step(e[1])])
     # Natively, per entry: skip it if a use of the tensor settled it in the
     # meantime; REUSED if its buffer is deleted; else unused or unknown.
     unknown, unusable = C.settle_entries(entries, certain)
     for t, record in unusable:
         _keep(t, record, C.Verdict.UNUSED)
     if unusable:
-        unused.warn(unusable)
+        _warn_unused(unusable)
     return unknown
 
 
@@ -178,9 +161,9 @@ def settle_one(t, record) -> None:
     # Unless its step is known to be dispatched, wait, even when the buffer
     # reads as deleted already: that may be XLA holding it for a donation
     # that a failing step gives back.  Never wait while holding the lock (see
-    # devices.py).  A failure of the step surfaces here (failures.py): the
+    # the module docstring).  A failure of the step surfaces here: the
     # verdict stays open and the error goes to the user's line.
-    if record.step > devices.dispatched_through(t.device):
+    if record.step > dispatched_through(t.device):
         xla.wait_device_ops(t.device)
     with lock:
         if record.verdict != C.Verdict.IN_FLIGHT:
@@ -197,7 +180,7 @@ def settle_one(t, record) -> None:
         at = next((i for i, e in enumerate(_in_flight) if e[1].id == record.id), None)
         entry = _in_flight.pop(at) if at is not None else None
         held = t if entry is None or entry[0] is None else entry[0]
-        if failures.in_failed_step(record):
+        if _in_failed_step(record):
             failed([(held, record)])
         else:
             # The barrier's native settle, for this one entry: REUSED if the
@@ -206,7 +189,7 @@ def settle_one(t, record) -> None:
             if unusable:
                 _keep(held, record, C.Verdict.UNUSED)
                 notify_settled()
-                unused.warn([(held, record)])
+                _warn_unused([(held, record)])
                 return
         notify_settled()
 
@@ -236,14 +219,14 @@ def settle() -> None:
     """
     global _in_flight
     if xla.runtime_started():
-        autograd_holds.settle_autograd(devices.barrier_device(""))
+        holders.settle_autograd(barrier_device(""))
     auto.settle()
     with lock:
         entries, _in_flight = _in_flight, []
     if not entries:
         return
     try:
-        xla.wait_device_ops()  # outside the lock: see devices.py
+        xla.wait_device_ops()  # outside the lock: see the module docstring
     except BaseException:
         with lock:  # a failed step surfaced: keep the verdicts open
             _in_flight = entries + _in_flight
@@ -325,8 +308,148 @@ def _lose(t, record) -> None:
 
 def drop(records) -> None:
     """DROPPED: marks a commit decided not to donate (another holder shares
-    the buffer, torch_xla refused the flag, a check raised, no XLA tensor).
-    Never armed nor poisoned, so the values stay as they are; the caller
-    says why (a ``DroppedDonationWarning``), or nothing for junk."""
+    the buffer, torch_xla refused the flag, a check raised).  Never armed nor
+    poisoned, so the values stay as they are; the caller says why."""
     for record in records:
         C.settle(record, C.Verdict.DROPPED)
+
+
+def drop_entries(dropped, notices) -> None:
+    """Drops the committed entries of ``dropped`` ({why: entries}), one
+    ``DroppedDonationWarning`` each, held in ``notices`` until the commit is
+    whole."""
+    for why, entries in dropped.items():
+        records = [record for _, record in entries]
+        drop(records)
+        notices.add(DroppedDonationWarning,
+                    messages.DROPPED.replace("{why}", messages.escape(why)), records)
+
+
+# -- Devices -------------------------------------------------------------------------
+
+def barrier_device(device: str):
+    """The device a barrier called with ``device`` ("" : the thread's) syncs."""
+    return torch.device(device) if device else xla.default_device()
+
+
+def _split_by_device(entries, device):
+    """(entries whose tensor is on ``device``, the others)."""
+    if xla.local_device_count() == 1:
+        return entries, []
+    mine = [e for e in entries if e[0].device == device]
+    return mine, [e for e in entries if e[0].device != device]
+
+
+def marks_on(device):
+    """The tensors whose marks a barrier of ``device`` takes: None for all
+    (one device), else those on ``device``."""
+    if xla.local_device_count() == 1:
+        return None
+    return [t for t in C.marked_tensors() if t.device == device]
+
+
+# The newest step known to be dispatched, per device (None: every device).
+# A verdict of such a step is certain without waiting: its buffers no longer
+# change between "held for a donation" and "deleted".
+_dispatched_steps = {}
+
+
+def dispatched(device, step) -> None:
+    """Every step of ``device`` (None: of every device) up to ``step`` has
+    been dispatched."""
+    if step > _dispatched_steps.get(device, 0):
+        _dispatched_steps[device] = step
+
+
+def dispatched_through(device) -> int:
+    return max(_dispatched_steps.get(device, 0), _dispatched_steps.get(None, 0))
+
+
+# -- Failed steps --------------------------------------------------------------------
+
+_failed_through = 0  # every step up to this one may have failed
+
+
+def note_failure() -> None:
+    global _failed_through
+    _failed_through = max(_failed_through, C.current_step())
+
+
+def _in_failed_step(record) -> bool:
+    return record.step <= _failed_through
+
+
+# torch_xla's ``_xla_wait_device_ops``, listening (a Trampoline's before and
+# after, _hooks.py): for failed steps, and for steps known to be dispatched
+# (every step so far, once a wait for every device returns).
+
+def wait_before(*args, **kwargs):
+    devices_ = kwargs.get("devices", args[0] if args else None)
+    return (C.current_step(), not devices_)
+
+
+def wait_after(token, result, error):
+    step, every_device = token
+    if error is not None:
+        note_failure()
+    elif every_device:
+        dispatched(None, step)
+    return result
+
+
+# -- Unused donations ----------------------------------------------------------------
+#
+# A donation no output can take at one step cannot at the next either: a loop
+# repeats it.  Its warning's text names only the line that marked it and the
+# shape, so Python's filters decide: once per place by default, every time
+# under "always", an error under "error".  Strict mode raises every time.
+# A module buffer passed to donate() is named by its path (module.mask).
+
+_lock = threading.RLock()  # weakref callbacks may run while it is held
+# id(tensor) -> (weak reference to it, its path, e.g. "module.mask"): the
+# buffers of modules given to donate() that are still alive.
+_buffers = {}
+
+
+def _warn_unused(entries) -> None:
+    """Tells the user about the unused ``entries`` ((tensor, record) pairs):
+    one ``UnusedDonationWarning`` per line that marked them, naming its
+    shapes and what to do (``UnusedDonationError`` in strict mode)."""
+    by_line = {}
+    for entry in entries:
+        by_line.setdefault(entry[1].where, []).append(entry)
+    category = UnusedDonationError if strict() else UnusedDonationWarning
+    for group in by_line.values():
+        with _lock:
+            paths = [p for p in (_buffer_path(t) for t, _ in group) if p is not None]
+        template = messages.UNUSED + messages.escape(messages.unused_fix(paths, len(group)))
+        messages.warn_records(category, template, [record for _, record in group])
+
+
+def note_module_buffers(named) -> None:
+    """Remembers that the tensors of ``named`` ((path, tensor) pairs) are
+    buffers of a module given to ``donate``, for as long as they live."""
+    with _lock:
+        for path, tensor in named:
+            key = id(tensor)
+            known = _buffers.get(key)
+            if known is not None and known[0]() is tensor:
+                continue
+            _buffers[key] = (weakref.ref(tensor, _dropper(key)), path)
+
+
+def _dropper(key):
+    def drop_buffer(ref):
+        with _lock:
+            known = _buffers.get(key)
+            if known is not None and known[0] is ref:
+                del _buffers[key]
+    return drop_buffer
+
+
+def _buffer_path(tensor):
+    known = _buffers.get(id(tensor))
+    return known[1] if known is not None and known[0]() is tensor else None
+
+
+poison.set_settler(settle_one)

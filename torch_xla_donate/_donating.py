@@ -1,11 +1,17 @@
-"""Matching ``donate_argnums``/``donate_argnames`` to a function's parameters.
+"""``donating``: a function whose chosen arguments are donated on every call,
+and how ``donate_argnums``/``donate_argnames`` match its parameters.
 
-Resolved once, when ``donating`` wraps the function; each call then only
-picks the selected arguments out of ``(args, kwargs)`` with plain indexing,
-which dynamo can trace (``torch.compile(donating(f, ...))`` has no graph
-break) and which costs next to nothing.  A call that does not fit the
-signature is the function's own business: it raises its ``TypeError``, and
-``donating`` cancels what it marked.
+An argument is donated however it is passed: donation is decided per
+*parameter* of the function's signature, resolved once when wrapping (each
+call then only picks the selected arguments out of ``(args, kwargs)``, which
+dynamo traces without a graph break).  As in JAX, a donated argument the
+function hands back stays alive (its mark is cancelled), a call that raises
+leaves nothing marked, and default values are never donated.  An index past
+the named positional parameters picks an element of ``*args`` (reported as
+selected, as JAX does); a callable without a signature takes positions of
+each call; an ``nn.Module`` is matched against its ``forward``.  Mistakes
+(an index out of range, an unknown name, an empty selection) are caught when
+wrapping, naming the function, its parameters and the fix.
 
 >>> def step(params, batch, *, lr=0.1): ...
 >>> s = Selection(step, (0,), ("lr",))
@@ -13,20 +19,144 @@ signature is the function's own business: it raises its ``TypeError``, and
 ((0,), ('params', 'lr'))
 >>> [label for label, _ in s.arguments(("P", "B"), {"lr": 0.5})]
 ['params', 'lr']
-
-The tricky case for ``argnums``: a position past the named parameters is an
-element of ``*args``, and is reported as selected (as JAX does):
-
->>> def f(*args): ...
->>> Selection(f, (0, 2), ()).argnums
-(0, 2)
 """
 import difflib
+import functools
 import inspect
+import operator
+from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["Selection"]
+from . import _trees as trees
+from ._messages import user_site
+from ._native import C, Via, lock
+
+__all__ = ["donating"]
+
+
+def donating(fn: Callable | None = None, *, donate_argnums: int | Sequence[int] = (),
+             donate_argnames: str | Sequence[str] = ()):
+    """Wraps ``fn`` so that the chosen arguments are donated on every call.
+
+    Each call marks every tensor of the selected arguments with ``donate``
+    (all or nothing), then calls ``fn``.  Works as a decorator
+    (``@donating(donate_argnums=0)``) or directly (``donating(fn,
+    donate_argnums=0)``).
+
+    Args:
+      fn: the function (or module, or any callable) to wrap.
+      donate_argnums: positions of the parameters to donate (see the module
+        docstring for ``*args`` and callables without a signature).
+      donate_argnames: names of the parameters to donate; an argument
+        selected both ways is donated once.
+
+    Returns:
+      The wrapper, with ``donate_argnums`` and ``donate_argnames`` saying what
+      was resolved.
+
+    Raises at wrap time:
+      TypeError: ``fn`` is not callable, an index/name has the wrong type, or
+        ``donate_argnames`` is given for a callable without a signature.
+      ValueError: nothing is selected, an index is out of range, or a name is
+        not a parameter of ``fn`` or is positional-only.
+    """
+    if fn is None:
+        return functools.partial(
+            donating, donate_argnums=donate_argnums, donate_argnames=donate_argnames
+        )
+    if not callable(fn):
+        raise TypeError(
+            f"donating() expects the function to wrap as its first argument, got "
+            f"{fn!r}. Pass the selection by keyword: donating(fn, donate_argnums=0) "
+            "or @donating(donate_argnums=0)."
+        )
+    selection = Selection(fn, _as_tuple(donate_argnums, "donate_argnums", int),
+                           _as_tuple(donate_argnames, "donate_argnames", str))
+
+    @functools.wraps(fn)
+    def donating_wrapper(*args, **kwargs):
+        selected = selection.arguments(args, kwargs)
+        if not selected:
+            return fn(*args, **kwargs)
+        if torch.compiler.is_compiling():  # dynamo traces this: graph ops
+            trees.donate_trees_in_graph(selected)
+            return fn(*args, **kwargs)
+        marked = _marks_of(selected, user_site())
+        try:
+            out = fn(*args, **kwargs)
+        except BaseException:
+            _cancel(marked)
+            raise
+        _cancel(_handed_back(out, marked))
+        return out
+
+    if not torch.compiler.is_compiling():
+        # A wrapper made while tracing lives only in the trace; torch 2.7's
+        # dynamo cannot set attributes on it.
+        donating_wrapper.donate_argnums = selection.argnums
+        donating_wrapper.donate_argnames = selection.argnames
+    return donating_wrapper
+
+
+def _marks_of(selected, where) -> list:
+    """Donates the ``(label, tree)`` pairs ``selected``; returns the tensors
+    this call newly marked."""
+    tensors = trees.tensors_in(selected)
+    before = {id(t) for t in tensors if C.is_marked(t)}
+    trees.donate_named(selected, where, Via.DONATING)
+    return [t for t in tensors if id(t) not in before and C.is_marked(t)]
+
+
+def _handed_back(out, marked) -> list:
+    """The tensors of ``marked`` that are among the leaves of ``out``.
+
+    >>> t = torch.ones(1)
+    >>> _handed_back({"w": t, "n": 3}, [t, torch.ones(1)]) == [t]
+    True
+    """
+    if not marked:
+        return []
+    returned = {id(t) for t in trees.tensors_in([("out", out)], refuse=False)}
+    return [t for t in marked if id(t) in returned]
+
+
+def _cancel(tensors) -> None:
+    if tensors:
+        with lock:
+            for t in tensors:
+                C.unmark(t)
+
+
+def _as_tuple(value, what, kind) -> tuple:
+    """``0`` -> ``(0,)``, ``"x"`` -> ``("x",)``, sequences as tuples; checks types.
+
+    >>> _as_tuple(0, "donate_argnums", int), _as_tuple(["x"], "donate_argnames", str)
+    ((0,), ('x',))
+    """
+    items = (value,) if isinstance(value, (int, str)) else tuple(value)
+    for item in items:
+        if kind is int:
+            ok = not isinstance(item, bool) and _is_index(item)
+        else:
+            ok = isinstance(item, str)
+        if not ok:
+            raise TypeError(
+                f"donating(): {what} must be {'ints' if kind is int else 'strs'} "
+                f"or a sequence of them, got {item!r} ({type(item).__name__})."
+            )
+    return tuple(operator.index(i) for i in items) if kind is int else items
+
+
+def _is_index(item) -> bool:
+    try:
+        operator.index(item)
+        return True
+    except TypeError:
+        return False
+
+
+# -- Matching the selection to the parameters ---------------------------------------
 
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 

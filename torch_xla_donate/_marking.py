@@ -1,0 +1,302 @@
+"""Marking one tensor: ``donate_buffer``, ``is_donated``, ``is_deleted``, and
+what marking becomes while dynamo traces it (a graph op).
+
+``donate_buffer`` is one native call in the common case (``C.try_mark``,
+its rules in csrc/marking/marking.cpp ``Classify``).  A refusal comes back
+here (``mark``): worded, or resolved by what only Python can do before
+asking again (settle a donated tensor's verdict, make a poisoned twin
+class, run the guards, warn once, judge who holds an alias).
+
+Under ``torch.compile(backend="openxla")`` marking emits
+``torch.ops.xla.dynamo_set_buffer_donor_`` (torch_xla's own way to donate
+from a compiled graph), so it causes no graph break; the rules of metadata
+(device, view, scalar) refuse what eager refuses, on the fake tensor, with
+eager's words; an intermediate (no input of the graph) is refused as
+pending.  The op is registered as a side effect: a donation whose result
+nothing reads is kept (_dynamo.py then leaves the mark for the next
+execution that takes the tensor).  Nothing here looks at a tensor's
+identity: dynamo would guard on it and compile a graph per step.
+
+>>> check_tensor("donate_buffer", [torch.ones(1)])
+Traceback (most recent call last):
+TypeError: donate_buffer expects a torch.Tensor, got list. For the tensors of a list, ...
+"""
+import sys
+
+import torch
+from torch._dynamo.comptime import comptime
+from torch._dynamo.exc import TorchRuntimeError
+
+from . import _config as config
+from . import _guards as guards
+from . import _holders as holders
+from . import _messages as messages
+from . import _poison as poison
+from . import _xla_cpu as xla_cpu
+from ._native import C, Via, lock
+
+__all__ = ["donate_buffer", "is_donated", "is_deleted", "mark", "check_tensor",
+           "donate_in_graph", "refuse_unless_input", "is_donor_op", "RefusedWhileTracing"]
+
+R = C.Refusal
+
+def donate_buffer(tensor: torch.Tensor) -> None:
+    """Donates ``tensor``'s device buffer to the outputs of the next step.
+
+    At the next step barrier the buffer may hold one of the step's outputs;
+    ``tensor`` is then poisoned and any use raises ``DonatedBufferError``.
+    If no output can take the buffer, the tensor keeps its value and an
+    ``UnusedDonationWarning`` says so.  Marking twice before a step counts
+    once.  Under ``torch.compile`` it is a graph op (no graph break): the
+    compiled graph donates the tensor.
+
+    Args:
+      tensor: a materialized XLA tensor of at least one dimension.
+
+    Raises:
+      TypeError: ``tensor`` is not a torch.Tensor (or cannot be poisoned).
+      ValueError: it is not on an XLA device, has pending computation (call
+        ``xm.mark_step()`` first), is a view or has live views/aliases, is
+        saved for backward by a live autograd graph, or is a 0-dim scalar.
+      DonatedBufferError: it was donated already.
+    """
+    # One native call decides and marks; a refusal is worded, or resolved,
+    # by ``mark``.
+    if C.try_mark(tensor):
+        check_tensor("donate_buffer", tensor)
+        frame = sys._getframe(1)
+        mark(tensor, (frame.f_code.co_filename, frame.f_lineno))
+
+
+@torch.compiler.substitute_in_graph(C.try_mark, skip_signature_check=True)
+def _try_mark_in_graph(tensor, via=Via.DONATE_BUFFER, where=1, held_ok=False, locked=False) -> int:
+    """What dynamo traces for ``donate_buffer``'s mark: a graph op, no graph
+    break."""
+    donate_in_graph([tensor])
+    return 0
+
+
+def is_donated(tensor: torch.Tensor) -> bool:
+    """True while ``tensor`` is marked and waiting for the next step.
+
+    The tricky case: a mark is the plugin's until an execution commits it,
+    so torch_xla's own donor flag (``_get_buffer_donation``) stays False
+    while this says True.
+
+    >>> import torch, torch_xla
+    >>> t = torch.ones(4, device=torch_xla.device()) * 2
+    >>> torch_xla.sync()
+    >>> donate_buffer(t); is_donated(t), torch_xla._XLAC._get_buffer_donation(t)
+    (True, False)
+    >>> from torch_xla_donate import undonate
+    >>> undonate(t), is_donated(t)
+    (True, False)
+
+    Args:
+      tensor: any torch.Tensor.
+
+    Returns:
+      Whether ``tensor`` is marked for the next execution that commits marks.
+
+    Raises:
+      TypeError: ``tensor`` is not a torch.Tensor.
+    """
+    check_tensor("is_donated", tensor, None)
+    return C.is_marked(tensor)
+
+
+def is_deleted(tensor: torch.Tensor) -> bool:
+    """True if a step consumed ``tensor``'s buffer through donation.
+
+    May wait for the device: right after ``sync(wait=False)`` whether XLA
+    took the buffer is not known until the step has been dispatched.  A
+    donation no output could take leaves the tensor as it was (``b``):
+
+    >>> import torch, torch_xla
+    >>> a = torch.ones(4, device=torch_xla.device()) * 2
+    >>> b = torch.ones(3, device=torch_xla.device()) * 2
+    >>> torch_xla.sync()
+    >>> donate_buffer(a); donate_buffer(b)
+    >>> new_a, new_b = a + 1, b.sum().reshape(1)  # no output of b's 12 bytes
+    >>> import warnings, torch_xla_donate
+    >>> with warnings.catch_warnings():
+    ...     warnings.simplefilter("ignore")  # b's UnusedDonationWarning
+    ...     torch_xla.sync(); torch_xla_donate.settle()
+    >>> is_deleted(a), is_deleted(b), b.cpu().tolist()
+    (True, False, [2.0, 2.0, 2.0])
+
+    Args:
+      tensor: any torch.Tensor.
+
+    Returns:
+      Whether a step's output took ``tensor``'s buffer (then any use of
+      ``tensor`` raises ``DonatedBufferError``).
+
+    Raises:
+      TypeError: ``tensor`` is not a torch.Tensor.
+    """
+    check_tensor("is_deleted", tensor, None)
+    return poison.consumed(tensor)
+
+
+def mark(tensor, where, via=Via.DONATE_BUFFER, in_tree=False) -> bool:
+    """Marks ``tensor`` blaming ``where`` (file, line), or raises the error
+    of its refusal.  False, nothing marked, when donation is switched off
+    (warned once) or, ``in_tree``, for a scalar (skipped quietly)."""
+    try:
+        return _mark(tensor, where, via, in_tree, locked=False)
+    except _Committing:
+        with lock:  # a commit on another thread must see the mark whole or not at all
+            return _mark(tensor, where, via, in_tree, locked=True)
+
+
+class _Committing(Exception):
+    """Another thread is inside a commit: mark with the lock held."""
+
+
+def _mark(tensor, where, via, in_tree, locked) -> bool:
+    held_ok, settled, synced, done = False, False, False, set()
+    while True:
+        refusal = R(C.try_mark(tensor, via, where, held_ok, locked))
+        if refusal == R.NONE:
+            return True
+        if refusal == R.OFF:
+            config.warn_if_off()
+            return False
+        if refusal == R.ZERO_DIM and in_tree:
+            return False
+        if refusal == R.COMMITTING:
+            raise _Committing()
+        if refusal in (R.UNDECIDED, R.PENDING) and not synced and torch._is_functional_tensor(tensor):
+            # A functional wrapper with view updates not applied yet (also
+            # one ``_make_subclass`` made) reads as no plain device data:
+            # applied, as any torch_xla call on it would.
+            torch._sync(tensor)
+            synced = True
+            continue
+        if refusal == R.HELD and not settled:
+            # A holder may be autograd's worker thread still releasing a
+            # finished backward: waited for first, so that the outcome
+            # never depends on timing.
+            holders.settle_autograd(tensor.device)
+            settled = True
+            continue
+        if refusal in done:  # Python did its part and the rule still refuses
+            raise RuntimeError(f"torch_xla_donate: marking refused {messages.describe(tensor)} twice "
+                               f"({refusal.name}). Please report this.")
+        done.add(refusal)
+        held_ok = _resolve(tensor, refusal) or held_ok
+
+
+def _resolve(tensor, refusal) -> bool:
+    """Does Python's part for ``refusal`` before marking asks again, or
+    raises its error.  True when the tensor's aliases may go with it."""
+    if refusal == R.POISONED:
+        poison.refuse_consumed([tensor])  # settles it: consumed raises, unused lifts the poison
+    elif refusal == R.NEW_CLASS:
+        poison.check_poisonable(tensor)  # makes and registers the twin, or raises
+    elif refusal == R.UNDECIDED:
+        if not guards.decide(tensor):
+            raise ValueError(messages.refusal(tensor, refusal))
+        config.refresh()
+    elif refusal == R.WARN_FIRST:
+        xla_cpu.warn_if_unprotected()
+        config.refresh()
+    elif refusal == R.HELD:
+        # Someone else holds its storage or TensorImpl: who, and may the
+        # donation take them down with it?  (The judgement the commit makes,
+        # _holders.py.)
+        with holders.scanning():
+            blockers = holders.judge(tensor).blockers
+        if blockers:
+            raise ValueError(messages.HELD.format(tensor=messages.describe(tensor),
+                                                  why="; ".join(blockers)))
+        return True
+    else:
+        raise _error(tensor, refusal)
+    return False
+
+
+def _error(tensor, refusal) -> Exception:
+    if refusal in (R.NOT_TENSOR, R.WRAPPER):
+        return TypeError(messages.refusal(tensor, refusal))
+    return ValueError(messages.refusal(tensor, refusal))
+
+
+def check_tensor(name, tensor, tree_form="donate(tree)") -> None:
+    """TypeError unless ``tensor`` is a tensor, pointing containers at the
+    call that takes trees (``tree_form=None``: a question about one tensor,
+    no hint)."""
+    if isinstance(tensor, torch.Tensor):
+        return
+    hint = ""
+    items = tensor.values() if isinstance(tensor, dict) else tensor
+    if tree_form is None:
+        pass
+    elif isinstance(tensor, (torch.nn.Module, torch.optim.Optimizer)) or (
+        isinstance(tensor, (list, tuple, dict))
+        and any(isinstance(x, (torch.Tensor, list, tuple, dict)) for x in items)
+    ):
+        hint = (" For the tensors of a list, dict, module, optimizer or any pytree, "
+                f"use torch_xla_donate.{tree_form}.")
+    raise TypeError(f"{name} expects a torch.Tensor, got {type(tensor).__name__}.{hint}")
+
+
+# -- While dynamo traces ----------------------------------------------------------------
+
+_DONOR_OP = torch.ops.xla.dynamo_set_buffer_donor_
+# Kept by dead-code elimination (dynamo's, AOT autograd's) although its
+# result may go unread: the donation is its effect.
+torch.fx.node.has_side_effect(_DONOR_OP)
+torch.fx.node.has_side_effect(_DONOR_OP.default)
+
+
+def is_donor_op(node) -> bool:
+    """Whether the FX ``node`` calls ``dynamo_set_buffer_donor_``."""
+    return node.op == "call_function" and node.target in (_DONOR_OP, _DONOR_OP.default)
+
+
+class RefusedWhileTracing(TorchRuntimeError, ValueError):
+    """A tensor a compiled function donates cannot be donated: eager's
+    ``ValueError``, raised while dynamo traces (a ``TorchRuntimeError`` so
+    that dynamo passes it on unchanged)."""
+
+
+def donate_in_graph(tensors) -> None:
+    """``donate_buffer`` of each of ``tensors`` while dynamo traces it: one
+    ``dynamo_set_buffer_donor_`` node per tensor, no call into the plugin; a
+    tensor that is no input of the graph is refused first."""
+    for t in tensors:
+        refuse_unless_input(t, None)
+        torch.ops.xla.dynamo_set_buffer_donor_(t, True)
+
+
+def refuse_unless_input(t, path) -> None:
+    """Eager's error for ``t`` (``path``: its name in a tree, None for
+    ``donate_buffer``) unless it is an input of the graph and no view."""
+    comptime(_judge)  # runs while dynamo traces; nothing at run time
+
+
+def _judge(ctx) -> None:
+    """At trace time: judges the locals ``t`` and ``path`` of
+    ``refuse_unless_input``."""
+    var = ctx.get_local("t")
+    if not var.is_proxy():
+        return  # not a tensor: the graph op itself says so
+    fake = var.as_fake()
+    if not isinstance(fake, torch.Tensor):
+        return
+    path = ctx.get_local("path").as_python_constant()
+    # The rules of metadata, native (csrc/marking/marking.cpp ClassifyMeta),
+    # on the fake tensor; a tree skips scalars.
+    refusal = R(C.classify_meta(fake))
+    if refusal == R.ZERO_DIM and path is not None:
+        refusal = R.NONE
+    if refusal == R.NONE and var.as_proxy().node.op not in ("placeholder", "get_attr"):
+        refusal = R.PENDING  # eager calls an intermediate pending; here it has no buffer either
+    if refusal == R.NONE:
+        return
+    message = messages.refusal(fake, refusal)
+    if path is not None:  # as _trees.py says it
+        message = f"donate: cannot donate {path}, so no tensor of this call was marked. {message}"
+    raise RefusedWhileTracing(message)
