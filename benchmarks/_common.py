@@ -66,7 +66,7 @@ def child_env(extra=None) -> dict:
     (the benchmarks measure the code next to them, installed or not), and
     XLA:CPU's XNNPACK off in every mode alike, also in those that never
     import the package (raw donation, no plugin): the package switches it
-    off at import for values that can be trusted (torch_xla_donate/_base/xla_cpu.py),
+    off at import for values that can be trusted (torch_xla_donate/_xla_cpu.py),
     and modes compared with each other must run the same XLA."""
     env = dict(os.environ)
     repo = os.path.dirname(HERE)

@@ -25,11 +25,7 @@ step by ``torch._foreach_add(ts, 1.0)``, ``torch_xla.sync(wait=False)``,
 * ``donate_buffer``     ``torch_xla_donate.donate_buffer(t)`` per tensor;
 * ``raw, held`` and ``donate_buffer, held``: the loop still holds the old
                         tensors at the barrier (``old = ts`` ... ``del old``
-                        after it), so the plugin must poison every donor;
-* ``..., _XLAC reads``  a plugin mode run with
-                        ``TORCH_XLA_DONATE_NATIVE_READS=0``: every question
-                        about a tensor goes through ``torch_xla._XLAC``
-                        instead of the native reader (_base/reads.py).
+                        after it), so the plugin must poison every donor.
 
 Each mode runs in its own process under callgrind, instrumented only around
 the measured steps (a client request from a tiny helper compiled with the
@@ -48,9 +44,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 
-MODES = ["raw", "floor", "donate_buffer", "raw, held", "donate_buffer, held",
-         "donate_buffer, _XLAC reads", "donate_buffer, held, _XLAC reads"]
-XLAC_READS = ", _XLAC reads"  # the suffix: the same mode, native reads off
+MODES = ["raw", "floor", "donate_buffer", "raw, held", "donate_buffer, held"]
 WARMUP = 3
 
 _HELPER = r"""
@@ -79,7 +73,6 @@ def child(mode: str, n: int, steps: int, helper: str) -> None:
     xm.wait_device_ops()
     if not mode.startswith("donate_buffer"):
         step_hook.uninstall()
-    mode = mode.removesuffix(XLAC_READS)  # the environment switched the reads
     held = mode.endswith("held") or mode == "floor"
 
     def step():
@@ -155,9 +148,8 @@ def counted(script: str, args: list, out: str, loop_thread: bool, extra_env=None
 def measure(mode: str, n: int, steps: int, helper: str, tmp: str, loop_thread: bool = False) -> int:
     """Instructions of the counted steps (``counted``)."""
     out = os.path.join(tmp, f"cg.{MODES.index(mode)}{'.loop' if loop_thread else ''}")
-    extra = {"TORCH_XLA_DONATE_NATIVE_READS": "0"} if mode.endswith(XLAC_READS) else None
     return counted(__file__, ["--child", mode, "--tensors", n, "--steps", steps, "--helper", helper],
-                   out, loop_thread, extra)
+                   out, loop_thread)
 
 
 def main() -> None:
@@ -189,9 +181,6 @@ def main() -> None:
         ("**donate_buffer over the floor**", "donate_buffer", "floor"),
         ("donate_buffer over raw", "donate_buffer", "raw"),
         ("donate_buffer, held, over raw, held", "donate_buffer, held", "raw, held"),
-        ("donate_buffer, _XLAC reads, over raw", "donate_buffer, _XLAC reads", "raw"),
-        ("donate_buffer, held, _XLAC reads, over raw, held",
-         "donate_buffer, held, _XLAC reads", "raw, held"),
     ]
     def cell(table, a, b, bold):
         return f"**{table[a] - table[b]:.0f}**" if bold else f"{table[a] - table[b]:.0f}"

@@ -96,14 +96,14 @@ def pytest_pyfunc_call(pyfuncitem):
     return True
 
 
-# -- Native reads (_base/reads.py) -------------------------------------
+# -- Native reads (_xla.py) -------------------------------------
 
 
 @pytest.fixture
 def fast_path_open(dev):
     """Marking in one native call, as after a process's first donation:
     that one decides the guards and gives the process's one
-    ``StaleReadWarning`` where it is owed (_base/xla_cpu.py), so a test run
+    ``StaleReadWarning`` where it is owed (_xla_cpu.py), so a test run
     alone sees what it sees after others."""
     import warnings
 

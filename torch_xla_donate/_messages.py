@@ -262,15 +262,22 @@ def warn_records(category, template, records) -> None:
     """Warns (or raises, for an exception category) naming ``records``: each
     shape once with its count and the places that marked it.
 
-    No step number in a warning: a loop that repeats the same unusable
-    donation repeats the same text, which Python's filters then show once
-    per place by default, every time under "always", as an error under
-    "error".
+    The warning is given at the line that marked the first record, with no
+    step number: a loop that repeats the same unusable donation repeats the
+    same text at the same line, which Python's filters then show once by
+    default, every time under "always", as an error under "error".
     """
     items = _describe(records)
     if issubclass(category, Exception) and not issubclass(category, Warning):
         raise category(template.format(at_step=f" at step {records[0].step}", items=items))
-    warnings.warn(template.format(at_step="", items=items), category, stacklevel=user_stacklevel())
+    first = records[0]
+    warnings.warn_explicit(template.format(at_step="", items=items), category, first.file,
+                           first.line, registry=_registries.setdefault(first.file, {}))
+
+
+# Python's "seen" registry per marking file, as a module's __warningregistry__
+# (warnings.catch_warnings and a filter change reset them).
+_registries = {}
 
 
 def _describe(records) -> str:
@@ -303,7 +310,8 @@ class Notices:
     makes of one is raised once the step's results are intact.
 
     >>> notices = Notices()
-    >>> R = type("R", (), {"shape_string": "f32[2]", "where": "t.py:1", "step": 3})
+    >>> R = type("R", (), {"shape_string": "f32[2]", "where": "t.py:1", "file": "t.py", "line": 1,
+    ...                  "step": 3})
     >>> notices.add(UserWarning, "held back{at_step}: {items}", [R()])
     >>> with warnings.catch_warnings(record=True) as caught:
     ...     warnings.simplefilter("always")

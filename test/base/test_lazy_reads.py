@@ -310,7 +310,7 @@ for t in (copy, pending):
     n = [_C.lazy_tensor_id(t), _C.lazy_is_pending(t)]
     assert n == [X._xla_get_tensor_id(t), X._check_tensor_need_materialization([t])[0]], n
 for t in (base, v, stale):  # torch_xla's own views (base is one now): no plain device data
-    assert reads.tensor_id(t) is None and reads.read_pending([t]) == [True]
+    assert _C.lazy_tensor_id(t) is None and reads.read_pending([t]) == [True]
     assert X._check_tensor_need_materialization([t]) == [True]
 sync()
 assert reads.read_holders([base, copy]) == [None, None]  # torch_xla's views hold buffers unseen

@@ -1,4 +1,4 @@
-"""XLA:CPU's XNNPACK switched off at import (torch_xla_donate/_base/xla_cpu.py).
+"""XLA:CPU's XNNPACK switched off at import (torch_xla_donate/_xla_cpu.py).
 
 Each case runs in a fresh interpreter: XLA reads ``XLA_FLAGS`` once, when
 torch_xla's runtime starts.  Evidence that XLA took the flag is the dump of

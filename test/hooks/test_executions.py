@@ -168,7 +168,7 @@ def test_uninstall_cancels_every_mark_and_install_brings_the_hooks_back(dev):
 
 
 def test_a_configure_after_uninstall_keeps_the_fast_path_closed(dev):
-    """One module writes the native marking state (_base/switches.py): a
+    """One module writes the native marking state (_config.py refresh): a
     ``configure()`` after ``uninstall()`` (its listener refreshes the state)
     cannot let marking on while the hooks are out."""
     t = _state(dev)

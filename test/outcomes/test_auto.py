@@ -1,5 +1,5 @@
 """Automatic donation of dead step inputs and the advisor
-(_outcomes/auto.py, _outcomes/advice.py, csrc/auto/dead_inputs.h).
+(_auto.py, csrc/auto/dead_inputs.h).
 
 The tricky case: a dead input has no Python object; only the step's IR
 holds its buffer.  Evidence here is the buffer itself: the new values sit

@@ -92,7 +92,7 @@ def test_a_source_whose_copy_is_gone_is_donated(dev, monkeypatch):
     c = COPIES["copy_"](v)
     torch_xla.sync()
     del c
-    for _ in range(2):  # warned once: the same line and shape (_outcomes/unused.py)
+    for _ in range(2):  # the warning ignored: counted each time
         before = tdx.summary().totals.unused
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", tdx.UnusedDonationWarning)

@@ -163,7 +163,7 @@ def test_torch_optim_and_mp_device_loader_unchanged_by_the_plugin(tmp_path):
         code = _TORCH_OPTIM.format(plugin=plugin, out=str(out),
                                    ckpt=str(tmp_path / f"ckpt_{plugin}.pt"))
         if plugin:
-            assert tdx._hooks.install.installed()
+            assert tdx._hooks.installed()
             with warnings.catch_warnings():
                 exec(compile(code, "<torch.optim loop>", "exec"), {})
         else:
