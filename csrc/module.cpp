@@ -1,144 +1,114 @@
-// torch_xla_donate._C: the native ledger and hot path, bound to Python.
-// Folders mirror the Python package's roles:
-//
-//   base/      ledger (marks, records, per-step stats), ptr_index, py_types
-//              (_C.Record, Entry, Verdict, Via), call_site, tensor_facts (c10
-//              reads), tensor_access (torch_xla through bound callables)
-//   marking/   marking's fast path (try_mark, try_mark_all, is_donatable)
-//   outcomes/  poison (the native twin of poison.py), record_tag (the record
-//              a poisoned TensorImpl carries), ownership (live objects)
-//   hooks/     commit (a step's batch helpers), trampoline (_C.Trampoline)
-//   auto/      dead_inputs (step inputs nothing else holds, found natively)
-//   lazy/      lazy_reads (torch_xla's answers read through torch's lazy-tensor
-//              headers), lazy_bindings (its lazy_* functions), live_tensors
-//              (torch_xla's registry of live tensors, walked)
-//
-// This file binds the ledger and the record tags; each folder registers
-// the rest itself.
-#include <pybind11/pybind11.h>
+// torch_xla_donate._C: the enums made from common.h's lists, the ledger's
+// bindings and the hooks; each file registers the rest itself.
 #include <pybind11/stl.h>
 
-#include <memory>
-#include <string>
-#include <utility>
-#include <vector>
+#include "reads.h"
 
-#include "auto/dead_inputs.h"
-#include "base/ledger.h"
-#include "base/py_types.h"
-#include "base/tensor_access.h"
-#include "base/tensor_facts.h"
-#include "base/variable.h"
-#include "hooks/commit.h"
-#include "hooks/trampoline.h"
-#include "lazy/lazy_bindings.h"
-#include "lazy/live_tensors.h"
-#include "lazy/reaper.h"
-#include "marking/marking.h"
-#include "outcomes/donated_key.h"
-#include "outcomes/ownership.h"
-#include "outcomes/poison.h"
-#include "outcomes/record_tag.h"
+namespace torch_xla_donate {
+void RegisterMarking(py::module_& m);
+void RegisterCommit(py::module_& m);
+void RegisterTrampoline(py::module_& m);
+void RegisterDeadInputs(py::module_& m);
+}  // namespace torch_xla_donate
 
-namespace py = pybind11;
 using namespace torch_xla_donate;
 
 namespace {
 
-py::object RecordOrNone(RecordPtr r) {
-  if (!r) return py::none();
-  PyObject* o = WrapRecord(std::move(r));
-  if (!o) throw py::error_already_set();
-  return py::reinterpret_steal<py::object>(o);
+#define TDX_NAME(name) #name,
+const char* const kVerdicts[] = {TDX_VERDICTS(TDX_NAME)};
+const char* const kVias[] = {TDX_VIAS(TDX_NAME)};
+const char* const kRefusals[] = {TDX_REFUSALS(TDX_NAME)};
+const char* const kSplits[] = {TDX_SPLITS(TDX_NAME)};
+const char* const kCounters[] = {TDX_COUNTERS(TDX_NAME)};
+#undef TDX_NAME
+
+template <size_t N>
+void AddEnum(py::module_& m, const char* name, const char* const (&members)[N], const char* doc) {
+  py::list items;
+  for (size_t i = 0; i < N; ++i) items.append(py::make_tuple(members[i], i));
+  py::object e = py::module_::import("enum").attr("IntEnum")(name, items,
+                                                             py::arg("module") = "torch_xla_donate._C");
+  e.attr("__doc__") = doc;
+  m.attr(name) = e;
 }
 
-uintptr_t ImplOf(py::handle t) { return ImplAddress(t.ptr()); }
-
-// Hands the hot path the torch / torch_xla / poison callables it needs.
-void Bind(py::kwargs hooks) {
-  static const std::pair<const char*, PyObject * Hooks::*> kSlots[] = {
-      {"tensor_type", &Hooks::tensor_type},
-      {"donated_type", &Hooks::donated_type},
-      {"on_donated_dispatch", &Hooks::on_donated_dispatch},
-  };
-  for (auto item : hooks) {
-    std::string name = py::str(item.first);
-    bool known = false;
-    for (const auto& slot : kSlots) {
-      if (name != slot.first) continue;
-      known = true;
-      PyObject*& field = g_hooks.*(slot.second);
-      PyObject* value = item.second.ptr();
-      Py_INCREF(value);
-      Py_XSETREF(field, value);
-    }
-    if (!known) throw py::type_error("bind(): unknown hook '" + name + "'");
-  }
-}
-
-py::dict StatsToDict(const StepStats& s) {
+py::dict StatsDict(const StepStats& s) {
   py::dict d;
+#define TDX_ITEMS(name)  \
+  d[#name] = s.name;     \
+  d[#name "_bytes"] = s.name##_bytes;
+  TDX_COUNTERS(TDX_ITEMS)
+#undef TDX_ITEMS
   d["step"] = s.step;
-  d["donated"] = s.donated;
-  d["donated_bytes"] = s.donated_bytes;
-  d["reused"] = s.reused;
-  d["reused_bytes"] = s.reused_bytes;
-  d["unused"] = s.unused;
-  d["unused_bytes"] = s.unused_bytes;
-  d["unused_shapes"] = s.unused_shapes;
-  d["updated_in_place"] = s.updated_in_place;
-  d["updated_in_place_bytes"] = s.updated_in_place_bytes;
-  d["dropped"] = s.dropped;
-  d["dropped_bytes"] = s.dropped_bytes;
-  d["failed"] = s.failed;
-  d["failed_bytes"] = s.failed_bytes;
-  d["lost"] = s.lost;
-  d["lost_bytes"] = s.lost_bytes;
-  d["in_flight"] = s.in_flight;
   d["steps"] = s.steps;
+  d["in_flight"] = s.in_flight;
+  d["unused_shapes"] = s.unused_shapes;
   return d;
+}
+
+py::object RecordOrNone(RecordPtr r) {
+  return r ? py::reinterpret_steal<py::object>(WrapRecord(std::move(r))) : py::none();
 }
 
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "Native donation ledger and hot path of torch_xla_donate.";
-  RegisterPyTypes(m.ptr());
-  RegisterMarking(m.ptr());
-  RegisterCommit(m.ptr());
-  RegisterOwnership(m.ptr());
-  RegisterTrampoline(m.ptr());
-  RegisterLazyReads(m.ptr());
-  RegisterLiveTensors(m.ptr());
-  RegisterReaper(m.ptr());
-  RegisterDonatedKey(m.ptr());
-  RegisterDeadInputs(m.ptr());
+  m.doc() = "The native ledger and hot path of torch_xla_donate (docs/design.md).";
+  AddEnum(m, "Verdict", kVerdicts, "What became of a donation; REUSED and LOST poison it.");
+  AddEnum(m, "Via", kVias, "The call that marked a tensor.");
+  AddEnum(m, "Refusal", kRefusals, "Why marking refused a tensor (marking.cpp Classify).");
+  AddEnum(m, "Split", kSplits, "What the commit made of a mark (commit.cpp).");
+  m.attr("COUNTERS") = py::cast(std::vector<std::string>(std::begin(kCounters), std::end(kCounters)));
+  RegisterEntries(m);
+  RegisterMarking(m);
+  RegisterCommit(m);
+  RegisterXlaReads(m);
+  RegisterLiveTensors(m);
+  RegisterPoison(m);
+  RegisterTrampoline(m);
+  RegisterDeadInputs(m);
 
   m.def(
+      "bind",
+      [](py::kwargs hooks) {
+        for (auto [key, value] : hooks) {
+          const std::string name = py::str(key);
+          PyObject** slot = name == "tensor_type"           ? &g_hooks.tensor_type
+                            : name == "donated_type"        ? &g_hooks.donated_type
+                            : name == "on_donated_dispatch" ? &g_hooks.on_donated_dispatch
+                            : name == "on_refusal"          ? &g_hooks.on_refusal
+                                                            : nullptr;
+          if (!slot) throw py::type_error("bind(): unknown hook '" + name + "'");
+          Py_XSETREF(*slot, value.inc_ref().ptr());
+        }
+      },
+      "Hands the native module the Python objects it needs (_native.py, at import).");
+  m.def(
       "mark",
-      [](py::object tensor, std::string file, int line, std::vector<int64_t> shape,
-         std::string dtype, int64_t nbytes, int via, int64_t version) -> py::object {
-        // Garbage here would reach the next barrier (a None "tensor") or
-        // corrupt the byte counts: refuse it where it comes in.
+      [](py::object tensor, std::string file, int line, Dims shape, std::string dtype,
+         int64_t nbytes, int via, int64_t version) -> py::object {
+        // Tests put marks straight into the ledger: refuse garbage here.
         if (tensor.is_none()) throw py::type_error("mark() needs a tensor, got None");
-        if (nbytes < 0) throw py::value_error("mark(): nbytes must be >= 0");
-        if (via < 0 || via >= kViaCount) throw py::value_error("mark(): no such via");
+        if (nbytes < 0 || via < 0 || via >= kViaCount)
+          throw py::value_error("mark(): nbytes must be >= 0 and via a Via");
         for (int64_t d : shape)
           if (d < 0) throw py::value_error("mark(): shape sizes must be >= 0");
-        RecordPtr record;
-        GlobalLedger().Mark(std::move(tensor), std::make_shared<const std::string>(std::move(file)),
-                            line, Dims(shape), InternDtype(dtype), nbytes, static_cast<Via>(via),
-                            version, &record);
-        return RecordOrNone(record);
+        RecordPtr record = NewRecord();
+        record->file = std::make_shared<const std::string>(file);
+        record->line = line;
+        record->shape = shape;
+        record->dtype = InternDtype(dtype);
+        record->nbytes = nbytes;
+        record->via = static_cast<Via>(via);
+        record->version = version;
+        return GlobalLedger().Mark(std::move(tensor), record) ? RecordOrNone(record) : py::none();
       },
       py::arg("tensor"), py::arg("file"), py::arg("line"), py::arg("shape"), py::arg("dtype"),
       py::arg("nbytes"), py::arg("via") = 0, py::arg("version") = -1,
-      "Marks a tensor for the next step; None if it is already marked.");
-  m.def(
-      "unmark",
-      [](py::object tensor) -> py::object { return RecordOrNone(GlobalLedger().Unmark(tensor)); },
-      py::arg("tensor"), "Removes a pending mark; returns its record or None.");
-  m.def("is_marked", [](py::object t) { return GlobalLedger().IsMarked(t); }, py::arg("tensor"));
+      "Marks a tensor as it is, unchecked (tests); None if it is marked already.");
+  m.def("unmark", [](py::object t) { return RecordOrNone(GlobalLedger().Unmark(t)); });
+  m.def("is_marked", [](py::object t) { return GlobalLedger().IsMarked(t); });
   m.def("marked_tensors", []() { return GlobalLedger().MarkedTensors(); });
   m.def("marked_count", []() { return GlobalLedger().MarkedCount(); });
   m.def(
@@ -147,57 +117,41 @@ PYBIND11_MODULE(_C, m) {
         std::vector<PyObject*> keys;
         if (!only.is_none())
           for (auto t : only) keys.push_back(t.ptr());
-        int64_t step;
-        PyObject *tensors, *records;
-        Check(BeginStepLists(only.is_none() ? nullptr : &keys, &step, &tensors, &records));
-        return py::make_tuple(step, py::reinterpret_steal<py::list>(tensors),
-                              py::reinterpret_steal<py::list>(records));
+        std::vector<py::object> tensors;
+        std::vector<RecordPtr> records;
+        const int64_t step =
+            GlobalLedger().BeginStep(&tensors, &records, only.is_none() ? nullptr : &keys);
+        py::list recs;
+        for (RecordPtr& r : records) recs.append(RecordOrNone(std::move(r)));
+        return py::make_tuple(step, py::cast(tensors), recs);
       },
-      py::arg("only") = py::none(),
-      "Commits the marks (all, or those of the tensors in `only`) to a new "
-      "step: (step, tensors, records).");
+      py::arg("only") = py::none(), "Takes the marks into a new step, unjudged (tests).");
   m.def(
       "settle",
-      [](py::handle record, py::handle verdict) {
-        const RecordPtr& r = RecordArg(record.ptr());
-        if (!PyLong_Check(verdict.ptr())) throw py::type_error("settle() needs a Verdict");
-        int v = py::cast<int>(verdict);
-        if (v < 0 || v >= kVerdictCount) throw py::value_error("settle(): no such verdict");
-        Verdict final_verdict = static_cast<Verdict>(v);
-        if (final_verdict == Verdict::kMarked || final_verdict == Verdict::kInFlight)
-          throw py::value_error("settle() needs a final verdict, got " +
-                                std::string(VerdictName(final_verdict)));
-        GlobalLedger().Settle(r, final_verdict);
+      [](py::handle record, int verdict) {
+        if (verdict < static_cast<int>(Verdict::REUSED) || verdict >= kVerdictCount)
+          throw py::value_error("settle() needs a final verdict");
+        GlobalLedger().Settle(RecordArg(record.ptr()).get(), static_cast<Verdict>(verdict));
       },
       py::arg("record"), py::arg("verdict"));
   m.def("current_step", []() { return GlobalLedger().current_step(); });
   m.def(
-      "watch_deaths", [](py::handle cls) { return WatchDeaths(cls.ptr()); }, py::arg("cls"),
-      "Lets an entry's weak hold on a poisoned tensor of class `cls` go as the tensor dies "
-      "(poison.h WatchDeaths), after a __del__ it inherited; False if `cls` is no class.");
-  m.def(
       "step_stats",
       [](int64_t step) -> py::object {
         StepStats s;
-        if (!GlobalLedger().Stats(step, &s)) return py::none();
-        return StatsToDict(s);
+        return GlobalLedger().Stats(step, &s) ? py::object(StatsDict(s)) : py::none();
       },
       py::arg("step") = -1);
   m.def(
       "history",
       [](int64_t since) {
         py::list out;
-        for (const auto& s : GlobalLedger().History(since)) out.append(StatsToDict(s));
+        for (const StepStats& s : GlobalLedger().History(since)) out.append(StatsDict(s));
         return out;
       },
-      py::arg("since") = 0,
-      "Stats of the steps numbered `since` or later among the last HISTORY_STEPS "
-      "steps that committed donations, oldest first.");
-  m.def(
-      "generation", []() { return GlobalLedger().generation(); },
-      "A number that changes whenever a step commits donations, a verdict is "
-      "settled or the ledger is reset.");
-  m.def("totals", []() { return StatsToDict(GlobalLedger().Totals()); });
+      py::arg("since") = 0);
+  m.def("totals", []() { return StatsDict(GlobalLedger().Totals()); });
+  m.def("generation", []() { return GlobalLedger().generation(); });
   m.def("reset", []() { GlobalLedger().Reset(); });
   m.attr("HISTORY_STEPS") = Ledger::kHistorySteps;
 #ifdef TDX_BUILT_FOR_TORCH
@@ -205,74 +159,34 @@ PYBIND11_MODULE(_C, m) {
 #else
   m.attr("BUILT_FOR_TORCH") = py::none();  // a build that did not say (Bazel)
 #endif
-  m.def("via_name", [](int via) {
-    if (via < 0 || via >= kViaCount) throw py::value_error("no such via");
-    return std::string(ViaName(static_cast<Via>(via)));
+  m.def("impl_address", [](py::handle t) { return ImplAddress(t.ptr()); });
+  m.def("storage_address", [](py::handle t) -> uintptr_t {
+    const uintptr_t impl = ImplAddress(t.ptr());
+    return impl ? StorageAddress(impl) : 0;
   });
-
-  m.def("bind", &Bind,
-        "Hands the hot path the torch / torch_xla / poison callables it needs "
-        "(called by _base/xla.py and _outcomes/poison.py at import).");
-
+  m.def("use_counts", [](py::handle t) -> py::object {
+    TensorFacts facts;
+    if (Facts(t.ptr(), &facts, false) != 1) return py::none();
+    return py::make_tuple(facts.storage_use_count, facts.impl_use_count);
+  });
   m.def(
-      "poison",
-      [](py::handle t, py::handle record, std::string note) {
-        Check(Poison(t.ptr(), RecordArg(record.ptr()), note) == 0);
+      "live_objects",
+      [](py::tuple types) {
+        // The objects the garbage collector tracks, per type, but the Python
+        // objects of tensors (the first type) only C++ keeps alive: kept in a
+        // list, one would outlive its TensorImpl.  One call, the GIL held.
+        py::object objects = py::module_::import("gc").attr("get_objects")();
+        std::vector<py::list> found(types.size());
+        for (py::handle o : objects) {
+          for (size_t k = 0; k < types.size(); ++k) {
+            if (!PyObject_TypeCheck(o.ptr(), reinterpret_cast<PyTypeObject*>(types[k].ptr())))
+              continue;
+            const uintptr_t impl = k == 0 ? ImplAddress(o.ptr()) : 1;
+            if (impl != 0 && !(k == 0 && PyObjectOwnedByTensor(impl))) found[k].append(o);
+            break;
+          }
+        }
+        return py::cast(found);
       },
-      py::arg("tensor"), py::arg("record"), py::arg("note") = "",
-      "Makes the tensor refuse every use (outcomes/poison.h); `note` says how a companion "
-      "lost its buffer.");
-  m.def(
-      "unpoison", [](py::handle t) { Check(Unpoison(t.ptr()) == 0); }, py::arg("tensor"),
-      "Gives a poisoned tensor back its class and dispatch keys.");
-  // poison.py's and ownership.py's access to the TensorImpl (c10 headers).
-  m.def(
-      "tag_record",
-      [](py::handle t, py::handle record, std::string note) {
-        Check(TagTensor(t.ptr(), RecordArg(record.ptr()), note) == 0);
-      },
-      py::arg("tensor"), py::arg("record"), py::arg("note") = "",
-      "Tags the tensor's TensorImpl with its donation record (and, for a tensor "
-      "taken down with a donation, how).");
-  m.def(
-      "impl_address", [](py::handle t) { return ImplOf(t); }, py::arg("tensor"),
-      "The address of the tensor's TensorImpl as the hot path reads it (t._cdata), 0 for "
-      "anything else.");
-  m.def(
-      "tagged_note",
-      [](py::handle t) -> std::string {
-        uintptr_t impl = ImplOf(t);
-        return impl ? TaggedNote(impl) : std::string();
-      },
-      py::arg("tensor"), "The note of the tensor's record tag, or ''.");
-  m.def(
-      "tagged_record",
-      [](py::handle t) -> py::object {
-        uintptr_t impl = ImplOf(t);
-        return RecordOrNone(impl ? TaggedRecord(impl) : RecordPtr());
-      },
-      py::arg("tensor"), "The donation record the tensor is tagged with, or None.");
-  m.def(
-      "untag_record",
-      [](py::handle t) {
-        if (uintptr_t impl = ImplOf(t)) UntagRecord(impl);
-      },
-      py::arg("tensor"), "Removes the tensor's donation record tag, if any.");
-  m.def(
-      "storage_address",
-      [](py::handle t) -> uintptr_t {
-        uintptr_t impl = ImplOf(t);
-        return impl ? StorageAddress(impl) : 0;
-      },
-      py::arg("tensor"), "The address of the tensor's StorageImpl (0: none, or not a tensor).");
-  m.def(
-      "use_counts",
-      [](py::handle t) -> py::object {
-        TensorFacts facts;
-        int read = Facts(t.ptr(), &facts, /*with_sizes=*/false);
-        Check(read >= 0);
-        if (read == 0) return py::none();
-        return py::make_tuple(facts.storage_use_count, facts.impl_use_count);
-      },
-      py::arg("tensor"), "(tensors sharing the storage, owners of the TensorImpl), or None.");
+      py::arg("types"));
 }

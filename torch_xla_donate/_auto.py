@@ -94,7 +94,7 @@ def prepare(force: bool = False) -> None:
     on a sample tensor of the plugin's own (an upload: no graph), once, if
     auto or an advisor is on and nothing decided them yet."""
     wanted = force or advisors or config.auto()
-    if _state["prepared"] or not wanted or C.lock_holders() > 0:
+    if _state["prepared"] or not wanted or C.lock.depth > 0:
         return
     _state["prepared"] = True
     sample = torch.arange(4.0).to(xla.default_device())

@@ -1,28 +1,24 @@
-"""The switches (``configure`` and the environment), whether donation is on,
-and the state native marking reads.
+"""``configure()``, the environment switches, and whether donation is on.
 
 * ``TORCH_XLA_DONATE_STRICT=1`` / ``configure(strict=True)``: an unusable
-  donation raises ``UnusedDonationError`` instead of warning (JAX users
-  asked for this in jax#9675); the tensor keeps its value;
+  donation raises ``UnusedDonationError`` instead of warning;
 * ``TORCH_XLA_DONATE_DISABLE=1`` / ``configure(enabled=False)``: marking
-  checks its argument and does nothing, warning once;
+  checks its argument and does nothing;
 * ``TORCH_XLA_DONATE_AUTO=1`` / ``configure(auto=True)``: each step barrier
   also donates the step inputs nothing else holds (_auto.py).
 
 Donation is also off under torch_xla's ``XLA_ENABLE_PARAM_ALIASING=0`` and
-once a guard failed (_guards.py).  ``refresh`` is the one writer of the
-native marking state (``C.set_marking_state``).
+once a guard failed (_guards.py).  The switches live natively, where marking
+reads them (``C.switches()``); this module writes them.
 
 >>> import torch_xla_donate as tdx
 >>> old = tdx.configure(strict=True)
->>> tdx.configure(**old)["strict"]
-True
+>>> tdx.configure(**old)["strict"], strict()
+(True, False)
 """
 import os
-import threading
 import warnings
 
-from . import _guards as guards
 from . import _messages as messages
 from . import _xla as xla
 from . import _xla_cpu as xla_cpu
@@ -31,27 +27,20 @@ from .errors import DonationDisabledWarning
 
 __all__ = ["configure", "strict", "enabled", "auto", "on", "warn_if_off", "refresh", "hooks_in"]
 
-_lock = threading.Lock()
-
 
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-_state = {
-    "strict": _env_flag("TORCH_XLA_DONATE_STRICT"),
-    "enabled": not _env_flag("TORCH_XLA_DONATE_DISABLE"),
-    "auto": _env_flag("TORCH_XLA_DONATE_AUTO"),
-}
-
-_CHECK_SHARING_RETIRED = (
-    "{what} is retired and ignored: torch_xla_donate always checks who else holds a "
-    "donated buffer (copies made in the step included) and keeps the donation when another "
-    "tensor does. Remove it."
-)
+_RETIRED = ("{what} is retired and ignored: torch_xla_donate always checks who else holds a "
+            "donated buffer (copies made in the step included) and keeps the donation when "
+            "another tensor does. Remove it.")
 if "TORCH_XLA_DONATE_CHECK_SHARING" in os.environ:
-    warnings.warn(_CHECK_SHARING_RETIRED.format(what="TORCH_XLA_DONATE_CHECK_SHARING"),
-                  DeprecationWarning, stacklevel=2)
+    warnings.warn(_RETIRED.format(what="TORCH_XLA_DONATE_CHECK_SHARING"), DeprecationWarning,
+                  stacklevel=2)
+C.set_switches(strict=_env_flag("TORCH_XLA_DONATE_STRICT"),
+               enabled=not _env_flag("TORCH_XLA_DONATE_DISABLE"),
+               auto=_env_flag("TORCH_XLA_DONATE_AUTO"))
 
 
 def configure(*, strict: bool | None = None, enabled: bool | None = None,
@@ -62,8 +51,7 @@ def configure(*, strict: bool | None = None, enabled: bool | None = None,
       strict: unusable donations raise ``UnusedDonationError`` instead of
         warning.
       enabled: False switches donation off (marking checks and does nothing).
-      check_sharing: retired: accepted and ignored with a
-        ``DeprecationWarning`` (ownership is always checked).
+      check_sharing: retired: ignored with a ``DeprecationWarning``.
       auto: at each step barrier also donate the step inputs nothing else
         holds; off by default.
 
@@ -74,71 +62,57 @@ def configure(*, strict: bool | None = None, enabled: bool | None = None,
       TypeError: a value is not True, False or None.
     """
     if check_sharing is not None:
-        warnings.warn(_CHECK_SHARING_RETIRED.format(what="configure(check_sharing=...)"),
-                      DeprecationWarning, stacklevel=2)
+        warnings.warn(_RETIRED.format(what="configure(check_sharing=...)"), DeprecationWarning,
+                      stacklevel=2)
     given = {"strict": strict, "enabled": enabled, "auto": auto}
     for name, value in given.items():
         if value is not None and not isinstance(value, bool):
             raise TypeError(f"configure({name}=...) expects True or False, got {value!r}")
-    with _lock:
-        previous = dict(_state)
-        for name, value in given.items():
-            if value is not None:
-                _state[name] = value
+    switches = C.switches()
+    C.set_switches(**{name: value for name, value in given.items() if value is not None})
     refresh()
-    return previous
+    return {name: switches[name] for name in given}
 
 
 def strict() -> bool:
-    return _state["strict"]
+    return C.switches()["strict"]
 
 
 def enabled() -> bool:
-    return _state["enabled"]
+    return C.switches()["enabled"]
 
 
 def auto() -> bool:
-    return _state["auto"]
+    return C.switches()["auto"]
 
 
 def on() -> bool:
-    """Whether donation is on: no switch and no guard turns it off."""
-    return _state["enabled"] and xla.aliasing_enabled() and guards.failure() is None
-
-
-_disabled_warned = set()
+    """Donation is on: switched on, aliasing on, no guard failed."""
+    return C.switches()["on"]
 
 
 def warn_if_off() -> bool:
-    """True, with the once-per-reason ``DonationDisabledWarning`` at the
-    user's line, when donation is off (a loop donates every step)."""
-    if on():
+    """True, with a ``DonationDisabledWarning`` at the user's line (Python's
+    filters show it once per line by default), when donation is off."""
+    switches = C.switches()
+    if switches["on"]:
         return False
-    if guards.failure() is not None:
-        message = messages.GUARD.format(why=guards.failure())
+    if switches["failure"] is not None:
+        message = messages.GUARD.format(why=switches["failure"])
     else:
-        message = messages.OFF if not _state["enabled"] else messages.ALIASING_OFF
-    if message not in _disabled_warned:
-        _disabled_warned.add(message)
-        warnings.warn(message, DonationDisabledWarning, stacklevel=messages.user_stacklevel())
+        message = messages.OFF if not switches["enabled"] else messages.ALIASING_OFF
+    warnings.warn(message, DonationDisabledWarning, stacklevel=messages.user_stacklevel())
     return True
 
 
-_hooks_in = False
-
-
 def hooks_in(in_: bool) -> None:
-    """_hooks.py: the hooks are in or out (without them nothing would
-    commit a mark, so marking is off)."""
-    global _hooks_in
-    _hooks_in = in_
-    refresh()
+    """_hooks.py: the hooks are in or out (without them nothing commits a mark)."""
+    C.set_switches(hooks_in=in_)
 
 
 def refresh() -> None:
-    """Tells native marking whether donation is on, whether a
-    ``StaleReadWarning`` is owed first, and whether the guards ran.
-    (torch_xla reads ``XLA_ENABLE_PARAM_ALIASING`` when it first compiles,
-    so a change before the first step still counts: every barrier calls
-    this.)"""
-    C.set_marking_state(_hooks_in and on(), xla_cpu.warning_due(), guards.decided())
+    """Reads what the switches follow from the environment: torch_xla reads
+    ``XLA_ENABLE_PARAM_ALIASING`` when it first compiles, so a change before
+    the first step counts (every barrier calls this), and whether a
+    ``StaleReadWarning`` is owed first."""
+    C.set_switches(aliasing=xla.aliasing_enabled(), warn_first=xla_cpu.warning_due())

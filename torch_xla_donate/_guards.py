@@ -1,24 +1,11 @@
-"""The guards of what the package reads below torch_xla's Python API (why
-each reach, and what it guards against: docs/design.md, "Reading torch_xla").
-
-They are decided once per process, at the first mark, on the tensor being
-marked: no tensor of torch_xla's and no graph of their own, so torch_xla's
-metrics show the user's step alone.  A guard that fails switches donation
-off for the process (``failure()``; _config.py gives the
-``DonationDisabledWarning`` at the next marking, every value kept); the
-later ones are not tried.
-
-* ``reads``: ``C.lazy_learn`` checks the RTTI of the tensor's
-  ``XLATensorImpl`` and of the ``XLATensor`` the layout fact says follows
-  it; then the tensor's native id, pending state, consumed state and buffer
-  handle must be ``_XLAC``'s;
-* ``walk``: torch_xla's live-tensor registry found (_xla.py), its count of
-  live tensors torch_xla's own, the tensor found in it;
-* ``poisoning``: the donated key's fallback registered (nobody else's is),
-  a CPU probe refused with the key and served without it.
-
-Tests get one native answer wrong through ``CORRUPT`` (a field of
-``LazyFacts``) to see a mismatch switch donation off.
+"""The guards of what the package reads below torch_xla's Python API, decided
+once per process at the first mark, on the tensor being marked (no graph of
+their own).  One that fails switches donation off for the process, every
+value kept (docs/design.md, "Reading torch_xla"): ``reads`` (the layout
+fact's RTTI, then the native answers equal ``_XLAC``'s), ``walk`` (the
+live-tensor registry found, its count torch_xla's), ``poisoning`` (the
+donated key refuses a probe and lets it go).  Tests get one native answer
+wrong through ``CORRUPT`` to see a mismatch switch donation off.
 
 >>> describe_mismatch("tensor_id", 3, 2)
 'tensor_id: native 3, _XLAC 2'
@@ -42,8 +29,8 @@ _PASSED = {"reads": "native reads", "walk": "in use", "poisoning": "native dispa
 _WHAT = {"reads": "native reads", "walk": "torch_xla's live-tensor registry",
          "poisoning": "poisoning's dispatch key"}
 
+_GUARDS = ("reads", "walk", "poisoning")
 _lock = threading.Lock()
-_why = {}  # guard -> None (passed) or why it failed; empty until decided
 
 
 def describe_mismatch(what: str, native, xlac) -> str:
@@ -54,44 +41,51 @@ def decide(sample) -> bool:
     """Runs the guards on ``sample`` once per process if it can serve (a
     plain XLA tensor outside any dispatch mode: a FakeTensor or a functorch
     wrapper waits for a later mark); True once decided."""
-    if _why or not _can_serve(sample):
-        return bool(_why)
+    if decided() or not _can_serve(sample):
+        return decided()
     with _lock:
-        if _why:
+        if decided():
             return True
-        for name, check in (("reads", _reads), ("walk", _walk), ("poisoning", _poisoning)):
+        for name, check in zip(_GUARDS, (_reads, _walk, _poisoning)):
             try:
                 why = check(sample)
             except Exception as error:  # any surprise: donation stays off
                 why = f"the guard raised {error!r}"
-            _why[name] = why
             if why is not None:
                 C.lazy_set_enabled(False)
                 C.live_set_arena(0)
+                C.set_switches(failure=f"{_WHAT[name]}: {why}")
                 break
+        C.set_switches(decided=True)
     return True
 
 
 def decided() -> bool:
-    return bool(_why)
+    return C.switches()["decided"]
 
 
 def failure():
     """Why a guard switched donation off (what it guards: why), or None."""
-    for name, why in _why.items():
-        if why is not None:
-            return f"{_WHAT[name]}: {why}"
-    return None
+    return C.switches()["failure"]
 
 
 def state(name: str) -> str:
     """A guard's state for the reports: what it passed as, ``"off (<why>)"``,
-    ``"not decided yet"`` or ``"not tried"`` (an earlier one failed)."""
-    if not _why:
+    ``"not decided yet"`` or ``"not tried"`` (an earlier one failed).
+
+    >>> state("reads") in ("native reads", "not decided yet")
+    True
+    """
+    switches = C.switches()
+    why = switches["failure"]
+    if not switches["decided"]:
         return "not decided yet"
-    if name not in _why:
+    if why is None:
+        return _PASSED[name]
+    failed = next(n for n in _GUARDS if why.startswith(_WHAT[n] + ": "))
+    if _GUARDS.index(name) > _GUARDS.index(failed):
         return "not tried"
-    return _PASSED[name] if _why[name] is None else f"off ({_why[name]})"
+    return f"off ({why[len(_WHAT[name]) + 2:]})" if name == failed else _PASSED[name]
 
 
 def _can_serve(t) -> bool:

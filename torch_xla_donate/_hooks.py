@@ -37,6 +37,7 @@ from . import _commit as commit
 from . import _config as config
 from . import _dynamo as dynamo
 from . import _holders as holders
+from . import _marking as marking
 from . import _messages as messages
 from . import _poison as poison
 from . import _verdicts as verdicts
@@ -313,7 +314,7 @@ def _uninstall_torchscript() -> None:
 def bind_native() -> None:
     """Hands the native library every callable it calls back, in one call
     (once, at import; binding again replaces them)."""
-    C.bind(tensor_type=torch.Tensor, **poison.NATIVE_HOOKS)
+    C.bind(tensor_type=torch.Tensor, on_refusal=marking.refused, **poison.NATIVE_HOOKS)
 
 
 bind_native()

@@ -40,32 +40,20 @@ __all__ = ["donate_buffer", "is_donated", "is_deleted", "mark", "check_tensor",
 
 R = C.Refusal
 
-def donate_buffer(tensor: torch.Tensor) -> None:
-    """Donates ``tensor``'s device buffer to the outputs of the next step.
+donate_buffer = C.donate_buffer  # one native call when it marks
 
-    At the next step barrier the buffer may hold one of the step's outputs;
-    ``tensor`` is then poisoned and any use raises ``DonatedBufferError``.
-    If no output can take the buffer, the tensor keeps its value and an
-    ``UnusedDonationWarning`` says so.  Marking twice before a step counts
-    once.  Under ``torch.compile`` it is a graph op (no graph break): the
-    compiled graph donates the tensor.
 
-    Args:
-      tensor: a materialized XLA tensor of at least one dimension.
+def refused(tensor, refusal, file, line) -> None:
+    """``C.donate_buffer``'s refusal (the native call's one way into Python):
+    worded, or resolved and marked."""
+    check_tensor("donate_buffer", tensor)
+    mark(tensor, (file, line))
 
-    Raises:
-      TypeError: ``tensor`` is not a torch.Tensor (or cannot be poisoned).
-      ValueError: it is not on an XLA device, has pending computation (call
-        ``xm.mark_step()`` first), is a view or has live views/aliases, is
-        saved for backward by a live autograd graph, or is a 0-dim scalar.
-      DonatedBufferError: it was donated already.
-    """
-    # One native call decides and marks; a refusal is worded, or resolved,
-    # by ``mark``.
-    if C.try_mark(tensor):
-        check_tensor("donate_buffer", tensor)
-        frame = sys._getframe(1)
-        mark(tensor, (frame.f_code.co_filename, frame.f_lineno))
+
+@torch.compiler.substitute_in_graph(C.donate_buffer, skip_signature_check=True)
+def _donate_buffer_in_graph(tensor) -> None:
+    """What dynamo traces for ``donate_buffer``: a graph op, no graph break."""
+    donate_in_graph([tensor])
 
 
 @torch.compiler.substitute_in_graph(C.try_mark, skip_signature_check=True)

@@ -51,6 +51,12 @@ def user_site():
     return "<unknown>", 0
 
 
+# The calls that mark, by ``record.via``.
+VIA = {C.Via.DONATE_BUFFER: "donate_buffer()", C.Via.DONATE: "donate()",
+       C.Via.DONATING: "a donating() function",
+       C.Via.GRAPH_OP: "torch.ops.xla.dynamo_set_buffer_donor_()"}
+
+
 # -- Naming a tensor, a size ---------------------------------------------------------
 
 def size(nbytes: int) -> str:
@@ -219,18 +225,18 @@ def donated(record, note, shape) -> str:
     """The ``DonatedBufferError`` of a tensor a step consumed: ``note`` says
     how a companion lost its buffer (``shape``: its own)."""
     if note:
-        return (f"This tensor ({shape}) lost its buffer with a donation: {note}. {record.via} at "
+        return (f"This tensor ({shape}) lost its buffer with a donation: {note}. {VIA[record.via]} at "
                 f"{record.where} donated that buffer ({record.shape_string}) and step "
                 f"{record.step} reused it for an output, so this value is gone too. Use the "
                 f"step's results instead (for a module, load them into it), or donate a copy "
                 f"that shares nothing with it.")
     if record.verdict == C.Verdict.LOST:
         return (f"This tensor ({record.shape_string}, {record.nbytes} bytes) was donated by "
-                f"{record.via} at {record.where}; step {record.step} failed, and torch_xla lost "
+                f"{VIA[record.via]} at {record.where}; step {record.step} failed, and torch_xla lost "
                 f"the donated buffer with it (torch_xla 2.7 does when a step fails to compile), "
                 f"so its value is gone. Recompute or reload it.")
     return (f"This tensor ({record.shape_string}, {record.nbytes} bytes) was donated by "
-            f"{record.via} at {record.where}, and step {record.step} reused its buffer for an "
+            f"{VIA[record.via]} at {record.where}, and step {record.step} reused its buffer for an "
             f"output, so its value is gone. Use the step's result instead, or, if you still "
             f"need this tensor, do not donate it (undonate(t) cancels a mark before the step).")
 

@@ -53,7 +53,7 @@ class _DonatedTensor:
                 if record.verdict == C.Verdict.LOST else f"was reused by step {record.step}")
         return (
             f"<donated XLA tensor {record.shape_string}: its buffer {fate} "
-            f"({record.via} at {record.where}); it has no value>"
+            f"({messages.VIA[record.via]} at {record.where}); it has no value>"
         )
 
     __str__ = __repr__
@@ -90,15 +90,12 @@ _poison_classes = {}
 
 def _poison_class_for(cls: type) -> type:
     """The donated twin of ``cls``: ``nn.Parameter`` stays a Parameter, a user
-    subclass keeps its methods (only tensor operators are refused).  Its
-    finalizer (``C.watch_deaths``, after a ``__del__`` of ``cls``) lets the
-    ledger's weak hold on a dying instance go, so that torch_xla's tensor
-    dies with it rather than at the next barrier.  Native poisoning gives
-    it only once it is registered (``C.register_twin``: ``check_poisonable``)."""
+    subclass keeps its methods (only tensor operators are refused).  Native
+    poisoning gives it once it is registered (``C.register_twin``, which
+    also gives it the finalizer that lets a dying instance's entry go)."""
     poisoned = _poison_classes.get(cls)
     if poisoned is None:
         poisoned = type(f"Donated{cls.__name__}", (_DonatedTensor, cls), {"_original_class": cls})
-        C.watch_deaths(poisoned)
         _poison_classes[cls] = poisoned
     return poisoned
 

@@ -97,13 +97,13 @@ def _assert_consistent(tensors):
 
 def test_native_fast_path_declines_while_the_hook_lock_is_held(dev):
     t = materialize(torch.ones(4, device=dev))
-    assert _C.lock_holders() == 0
+    assert _C.lock.depth == 0
     with lock_module.lock:
-        assert _C.lock_holders() == 1
+        assert _C.lock.depth == 1
         assert _C.try_mark(t) == _C.Refusal.COMMITTING and not tdx.is_donated(t)
         tdx.donate_buffer(t)  # the Python path, re-entering the lock
         assert tdx.is_donated(t)
-    assert _C.lock_holders() == 0
+    assert _C.lock.depth == 0
     assert tdx.undonate(t) and not _flag(t)
 
 

@@ -1,9 +1,16 @@
-// See trampoline.h.
-#include "hooks/trampoline.h"
+// `_C.Trampoline(real, before, after)` stands in for one of torch_xla's
+// `_XLAC` functions (the step barrier, `_xla_sync_multi`, ...):
+//
+//   token = before(*args, **kwargs)      # raising: real is not called
+//   if token is PASS: return real(*args, **kwargs)
+//   result = real(*args, **kwargs)       # error: after(token, None, error),
+//   return after(token, result, None)    #   then the error propagates
+//
+// Native so that `real` is called from C once both Python halves have
+// returned: PT_XLA_DEBUG names an execution's cause from the innermost
+// Python frame, which is then the user's, as without the plugin.
+#include "common.h"
 
-#include <pybind11/pybind11.h>
-
-namespace py = pybind11;
 
 namespace torch_xla_donate {
 namespace {
@@ -134,7 +141,7 @@ PyType_Slot kSlots[] = {
     {Py_tp_descr_get, reinterpret_cast<void*>(TrampolineGet)},
     {Py_tp_doc, const_cast<char*>(
                     "Trampoline(real, before, after): calls real(*args) from C between "
-                    "before(*args) and after(token, result, error); see csrc/hooks/trampoline.h.")},
+                    "before(*args) and after(token, result, error).")},
     {0, nullptr},
 };
 
@@ -148,8 +155,7 @@ PyType_Spec kSpec = {
 
 }  // namespace
 
-void RegisterTrampoline(PyObject* module) {
-  py::module_ m = py::reinterpret_borrow<py::module_>(module);
+void RegisterTrampoline(py::module_& m) {
   PyObject* type = PyType_FromSpec(&kSpec);
   if (!type) throw py::error_already_set();
   m.attr("Trampoline") = py::reinterpret_steal<py::object>(type);

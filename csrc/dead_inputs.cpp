@@ -1,30 +1,19 @@
-// See dead_inputs.h.  Walks torch_xla's live tensors through
-// lazy/live_tensors.h (ForEachLiveTensor) and reads Python tensors through
-// lazy/lazy_tensor_of.h; getBackend() and the Node methods it calls live in
-// libtorch_cpu; GetComputationDataFromNode, HasValue and ToString are
-// virtual calls into torch_xla.
-#include "auto/dead_inputs.h"
-
-#include <pybind11/pybind11.h>
+// Dead step inputs (automatic donation, the advisor): device buffers the
+// coming barrier reads that nothing but the step's own IR holds any more.
+// The registry's pending tensors are the roots of a walk of their IR down to
+// the device_data nodes; a node's buffer is dead when its holders are the
+// node and this walk alone (docs/design.md, "Dead step inputs").  A miss
+// errs towards "held".
 #include <pybind11/stl.h>
 #include <torch/csrc/lazy/backend/backend_interface.h>
 #include <torch/csrc/lazy/core/ir.h>
 #include <torch/csrc/lazy/core/lazy_graph_executor.h>
-#include <torch/csrc/lazy/core/tensor.h>
 
 #include <chrono>
-#include <memory>
-#include <string>
 #include <tuple>
 #include <unordered_set>
-#include <utility>
-#include <vector>
 
-#include "base/tensor_access.h"
-#include "lazy/lazy_tensor_of.h"
-#include "lazy/live_tensors.h"
-
-namespace py = pybind11;
+#include "lazy.h"
 
 namespace torch_xla_donate {
 namespace {
@@ -32,14 +21,6 @@ namespace {
 using torch::lazy::BackendDataPtr;
 using torch::lazy::LazyTensor;
 using torch::lazy::Node;
-
-// The LazyTensor behind a Python XLA tensor (lazy_reads' guarded read), or
-// nullptr.
-LazyTensor* LazyOfTensor(py::handle t) {
-  const uintptr_t address = ImplAddress(t.ptr());
-  bool functional = false;
-  return address == 0 ? nullptr : XlaLazyTensorOf(address, &functional);
-}
 
 // One dead input: its buffer (held here from the search to its verdict)
 // and what describes it.
@@ -67,8 +48,7 @@ class DeadInputs {
     return out;
   }
 
-  // Points `carrier` at dead input `i`'s buffer (lazy_tensor_of.h
-  // PointCarrier): Python then sets its donor flag and restores the carrier.
+  // Points `carrier` at dead input `i`'s buffer (PointCarrier): Python then sets its donor flag and restores the carrier.
   bool Point(py::handle carrier, size_t i) {
     if (i >= dead.size()) throw py::index_error("no such dead input");
     return PointCarrier(carrier.ptr(), dead[i].buffer);
@@ -114,7 +94,7 @@ void VisitIr(const std::vector<torch::lazy::NodePtr>& roots, Visit visit) {
   }
 }
 
-// The search: see dead_inputs.h.  `describe`: keep each dead node's text
+// The search.  `describe`: keep each dead node's text
 // and source frames (torch lazy IR metadata; frames only with XLA_IR_DEBUG).
 std::unique_ptr<DeadInputs> FindDeadInputs(bool describe) {
   const auto start = std::chrono::steady_clock::now();
@@ -165,14 +145,9 @@ std::unique_ptr<DeadInputs> FindDeadInputs(bool describe) {
     if (!buffer || !seen.insert(buffer.get()).second) return false;
     // The node's own holder and this copy: nothing else.
     if (buffer.use_count() != 2 || !buffer->HasValue()) return false;
-    // An input torch_xla aliases to an output itself: the buffer of a
-    // tensor updated in place without functionalization (the pending
-    // tensor is the one the buffer was made for).  Under
-    // functionalization the in-place result is a new tensor whose link
-    // to the buffer only torch_xla's own Data holds (not read here):
-    // such an input is armed too, which changes nothing (torch_xla
-    // merges both donor sets), and the advisor drops it once the step
-    // consumed it without being armed (_outcomes/auto.py).
+    // An input torch_xla aliases to an output itself (updated in place
+    // without functionalization).  Under functionalization such an input
+    // is armed too, which changes nothing: torch_xla merges both donor sets.
     auto* info = dynamic_cast<torch::lazy::LazyGraphExecutor::DeviceDataInfo*>(buffer->info());
     if (info != nullptr && !info->read_only && outputs.count(info->tensor_id)) {
       ++out->aliased;
@@ -195,8 +170,7 @@ std::unique_ptr<DeadInputs> FindDeadInputs(bool describe) {
 
 }  // namespace
 
-void RegisterDeadInputs(PyObject* module) {
-  py::module_ m = py::reinterpret_borrow<py::module_>(module);
+void RegisterDeadInputs(py::module_& m) {
   py::class_<DeadInputs>(m, "DeadInputs")
       .def("__len__", &DeadInputs::Size)
       .def_readonly("live", &DeadInputs::live, "live XLA tensors walked")

@@ -1,0 +1,262 @@
+// The commit of a step's marks: begin and split (the commit's rules, in
+// Split and Screen), then after the execution the poisoning (Finish) and the
+// verdicts' reads (SettleEntries).  Python arms and disarms torch_xla's donor
+// flags and words every outcome (_commit.py).
+#include <pybind11/stl.h>
+
+#include "reads.h"
+
+namespace torch_xla_donate {
+namespace {
+
+PyObject* TensorOf(PyObject* entry, const RecordPtr** record) {
+  PyObject* t;
+  const RecordPtr* ignored;
+  if (!EntryParts(entry, &t, record ? record : &ignored))
+    throw py::type_error("expected (tensor, record) entries");
+  return t;
+}
+
+// What the split made of a step's marks: the donors, and the entries
+// referred back to Python as (entry, Split, detail).
+struct Judged {
+  py::list donors, referred;
+  void Refer(PyObject* entry, Split split, py::object detail) {
+    Check(PyList_Append(referred.ptr(),
+                        py::make_tuple(py::handle(entry), static_cast<int>(split), detail).ptr()) ==
+          0);
+  }
+  void Donor(PyObject* entry) { Check(PyList_Append(donors.ptr(), entry) == 0); }
+};
+
+// The buffer checks of candidates (XLA, materialized, no alias or autograd
+// holder) whose facts were read: copies made in the step (the registry's
+// walk; without functionalization also live tensors holding the buffer
+// itself, whose holder counts cannot be read), then the holder counts.
+void Screen(const std::vector<PyObject*>& entries, std::vector<LazyFacts>& facts, Judged* out) {
+  const size_t n = entries.size();
+  if (n == 0) return;
+  std::vector<DonorKey> keys(n);
+  std::vector<char> read(n);
+  for (size_t i = 0; i < n; ++i) {
+    read[i] = facts[i].tensor_id >= 0 && DonorKeyOfFacts(facts[i], &keys[i]);
+    keys[i].match_handle = !(facts[i].is_functional && facts[i].has_handle);
+  }
+  std::vector<std::vector<int64_t>> copies;
+  bool walked;
+  {
+    py::gil_scoped_release no_gil;
+    walked = SameStepCopies(keys, &copies);
+  }
+  if (!walked) throw std::runtime_error("torch_xla's live-tensor registry cannot be walked");
+  std::vector<size_t> counted;
+  std::vector<LazyFacts> counted_facts;
+  for (size_t i = 0; i < n; ++i) {
+    if (!read[i])
+      out->Refer(entries[i], Split::UNREAD, py::none());
+    else if (!copies[i].empty())
+      out->Refer(entries[i], Split::COPY, py::cast(copies[i]));
+    else if (!keys[i].match_handle) {
+      counted.push_back(i);
+      counted_facts.push_back(facts[i]);
+    } else
+      out->Donor(entries[i]);
+  }
+  const std::vector<long> extra = ExcessHolders(counted_facts);
+  for (size_t k = 0; k < counted.size(); ++k) {
+    if (extra[k] > 0)
+      out->Refer(entries[counted[k]], Split::EXCESS, py::int_(extra[k]));
+    else
+      out->Donor(entries[counted[k]]);
+  }
+}
+
+// commit(only=None) -> (step, donors, referred): takes the marks (all, or
+// those of the tensors `only`) into a new step and splits them, in order:
+//  * no XLA tensor (junk put into the ledger directly): DROPPED, quietly;
+//  * pending, or its version moved: updated in place after marking, an
+//    output: UPDATED_IN_PLACE;
+//  * views, aliases or an autograd graph alive: HELD, for Python to judge;
+//  * the buffer checks (Screen): COPY, EXCESS, UNREAD;
+//  * the rest are donors, not armed yet.
+py::tuple Split_(py::object only) {
+  RequireBound();
+  std::vector<PyObject*> keys;
+  if (!only.is_none())
+    for (auto t : only) keys.push_back(t.ptr());
+  std::vector<py::object> tensors;  // before the records: let go of last
+  std::vector<RecordPtr> records;
+  const int64_t step =
+      GlobalLedger().BeginStep(&tensors, &records, only.is_none() ? nullptr : &keys);
+  Judged judged;
+  py::list entries;  // keeps the candidates' entries alive
+  std::vector<PyObject*> candidates;
+  std::vector<LazyFacts> facts;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    PyObject* t = tensors[i].ptr();
+    Record* record = records[i].get();
+    TensorFacts tf;
+    if (Facts(t, &tf, false) != 1 || !tf.is_xla) {
+      GlobalLedger().Settle(record, Verdict::DROPPED);
+      continue;
+    }
+    LazyFacts lazy;
+    const bool read = ReadLazy(t, &lazy);
+    if ((record->version >= 0 && tf.version != record->version) || !read || lazy.pending) {
+      GlobalLedger().Settle(record, Verdict::UPDATED_IN_PLACE);
+      continue;
+    }
+    PyObject* entry = NewEntry(t, records[i]);
+    Check(entry != nullptr);
+    Check(PyList_Append(entries.ptr(), entry) == 0);
+    Py_DECREF(entry);
+    if (tf.storage_use_count > 1 || HeldByAutograd(t, tf)) {
+      judged.Refer(entry, Split::HELD, py::none());
+    } else {
+      candidates.push_back(entry);
+      facts.push_back(lazy);
+    }
+  }
+  Screen(candidates, facts, &judged);
+  return py::make_tuple(step, judged.donors, judged.referred);
+}
+
+// screen(entries) -> (donors, referred): the buffer checks alone, for the
+// entries Python let through after judging their holders or waiting.
+py::tuple ScreenOf(py::list entries) {
+  RequireBound();
+  std::vector<PyObject*> items;
+  std::vector<LazyFacts> facts;
+  for (py::handle entry : entries) {
+    items.push_back(entry.ptr());
+    facts.emplace_back();
+    if (!ReadLazy(TensorOf(entry.ptr(), nullptr), &facts.back())) facts.back() = LazyFacts();
+  }
+  Judged judged;
+  Screen(items, facts, &judged);
+  return py::make_tuple(judged.donors, judged.referred);
+}
+
+// Hands `t`'s buffer to `entry` through `keep`; false, nothing changed, if
+// it cannot be read or the entry cannot take it.
+bool KeepBuffer(PyObject* entry, PyObject* t, bool (*keep)(PyObject*, HeldBuffer*)) {
+  HeldBuffer* buffer = LazyReadsEnabled() ? TakeBuffer(ImplAddress(t)) : nullptr;
+  if (!buffer) return false;
+  if (keep(entry, buffer)) return true;
+  DropBuffer(buffer);
+  return false;
+}
+
+// Lets go of a donor nothing but its entry refers to: the entry keeps only
+// its buffer, so the tensor, its wrapper and the XLATensor die now, as raw
+// donation's die while tracing.
+// (A weak reference does not keep it: it dies as it is let go.)
+bool ReleaseIfUnheld(PyObject* entry, PyObject* t) {
+  if (t == Py_None || Py_REFCNT(t) != 1) return false;
+  TensorFacts facts;
+  return Facts(t, &facts, false) == 1 && facts.impl_use_count == 1 &&
+         KeepBuffer(entry, t, ReleaseEntryTensor);
+}
+
+// release_unheld(donors): before the execution, with the flags armed.
+size_t ReleaseUnheld(py::list donors) {
+  RequireBound();
+  size_t released = 0;
+  for (py::handle entry : donors) {
+    released += ReleaseIfUnheld(entry.ptr(), TensorOf(entry.ptr(), nullptr));
+    EntryLetGoOfDead(entry.ptr());
+  }
+  return released;
+}
+
+// finish(donors, release) -> (to_disarm, failed): once the execution's donor
+// set is fixed, poisons each donor the user still holds.  A donor nothing
+// else refers to is let go (`release`) or left alone; one the user holds is
+// poisoned and, with `release`, kept weakly, its flag left armed on the
+// buffer its record keeps (nothing but a use of its poisoned tensor can put
+// that buffer into a graph, and the use settles the verdict first); the
+// others come back for Python to disarm.  A donor whose poisoning fails
+// does not stop the others: failed lists (entry, message).
+py::tuple Finish(py::list donors, bool release) {
+  RequireBound();
+  py::list failed, to_disarm;
+  for (py::handle item : donors) {
+    PyObject* entry = item.ptr();
+    const RecordPtr* record;
+    PyObject* t = TensorOf(entry, &record);
+    if (t == Py_None) continue;  // released by an earlier call
+    if (release && ReleaseIfUnheld(entry, t)) continue;
+    if (OnlyHeldByItsEntry(t)) continue;
+    py::object keep = py::reinterpret_borrow<py::object>(t);  // the entry's goes if weakened
+    if (!(release && KeepBuffer(entry, t, WeakenEntryTensor)))
+      Check(PyList_Append(to_disarm.ptr(), t) == 0);
+    if (Poison(t, *record) != 0) {
+      py::error_already_set error;
+      failed.append(py::make_tuple(item, py::str(error.what())));
+    }
+  }
+  return py::make_tuple(to_disarm, failed);
+}
+
+// settle_entries(entries, certain) -> (unknown, unused): a deleted buffer is
+// REUSED; a live one is unused only when `certain` that its step was
+// dispatched.  Entries settled meanwhile are skipped.
+py::tuple SettleEntries(py::list entries, bool certain) {
+  RequireBound();
+  py::list unknown, unused;
+  std::vector<Record*> reused;
+  struct SettleReused {  // also when a read raises
+    std::vector<Record*>* records;
+    ~SettleReused() { GlobalLedger().SettleAll(*records, Verdict::REUSED); }
+  } settle{&reused};
+  for (py::handle entry : entries) {
+    const RecordPtr* record;
+    PyObject* t = TensorOf(entry.ptr(), &record);
+    if ((*record)->verdict != Verdict::IN_FLIGHT) continue;
+    const HeldBuffer* buffer = EntryBuffer(entry.ptr());
+    const int deleted = buffer ? HeldBufferConsumed(buffer) : BufferDeleted(t);
+    Check(deleted >= 0);
+    if (deleted)
+      reused.push_back(record->get());
+    else
+      Check(PyList_Append((certain ? unused : unknown).ptr(), entry.ptr()) == 0);
+  }
+  return py::make_tuple(unknown, unused);
+}
+
+}  // namespace
+
+void RegisterCommit(py::module_& m) {
+  m.def("commit", &Split_, py::arg("only") = py::none());
+  m.def("screen", &ScreenOf, py::arg("entries"));
+  m.def("release_unheld", &ReleaseUnheld, py::arg("donors"));
+  m.def("finish", &Finish, py::arg("donors"), py::arg("release") = false);
+  m.def("settle_entries", &SettleEntries, py::arg("entries"), py::arg("certain"));
+  m.def(
+      "live_held",
+      [](py::list items, bool reachable) {
+        // The entries (or records) keeping a buffer that still holds a value,
+        // their flag left armed by finish; with `reachable`, only those whose
+        // tensor still leads to it (a weakened donor the user holds).
+        py::list live;
+        for (py::handle item : items) {
+          PyObject* t;
+          const RecordPtr* record;
+          if (!EntryParts(item.ptr(), &t, &record)) record = &RecordArg(item.ptr());
+          const auto* buffer = static_cast<const HeldBuffer*>((*record)->held.get());
+          if (reachable && !EntryTensorAlive(item.ptr())) continue;
+          if (buffer && !HeldBufferConsumed(buffer)) live.append(item);
+        }
+        return live;
+      },
+      py::arg("items"), py::arg("reachable") = false);
+  m.def(
+      "entry_consumed",
+      [](py::handle entry) -> py::object {
+        const HeldBuffer* buffer = EntryBuffer(entry.ptr());
+        return buffer ? py::bool_(HeldBufferConsumed(buffer)) : py::object(py::none());
+      },
+      py::arg("entry"), "Whether a released entry's buffer holds no value; None: ask the tensor.");
+}
+
+}  // namespace torch_xla_donate
