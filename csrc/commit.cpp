@@ -33,7 +33,8 @@ struct Judged {
 // holder) whose facts were read: copies made in the step (the registry's
 // walk; without functionalization also live tensors holding the buffer
 // itself, whose holder counts cannot be read), then the holder counts.
-void Screen(const std::vector<PyObject*>& entries, std::vector<LazyFacts>& facts, Judged* out) {
+void Screen(const std::vector<PyObject*>& entries, std::vector<LazyFacts>& facts,
+            const std::vector<int64_t>& clones, Judged* out) {
   const size_t n = entries.size();
   if (n == 0) return;
   std::vector<DonorKey> keys(n);
@@ -46,7 +47,7 @@ void Screen(const std::vector<PyObject*>& entries, std::vector<LazyFacts>& facts
   bool walked;
   {
     py::gil_scoped_release no_gil;
-    walked = SameStepCopies(keys, &copies);
+    walked = SameStepCopies(keys, clones, &copies);
   }
   if (!walked) throw std::runtime_error("torch_xla's live-tensor registry cannot be walked");
   std::vector<size_t> counted;
@@ -117,13 +118,14 @@ py::tuple Split_(py::object only) {
       facts.push_back(lazy);
     }
   }
-  Screen(candidates, facts, &judged);
+  Screen(candidates, facts, {}, &judged);
   return py::make_tuple(step, judged.donors, judged.referred);
 }
 
-// screen(entries) -> (donors, referred): the buffer checks alone, for the
-// entries Python let through after judging their holders or waiting.
-py::tuple ScreenOf(py::list entries) {
+// screen(entries, clones=()) -> (donors, referred): the buffer checks alone,
+// for the entries Python let through after judging their holders, waiting,
+// or finding their same-step copies are `clones` (torch_xla ids).
+py::tuple ScreenOf(py::list entries, std::vector<int64_t> clones) {
   RequireBound();
   std::vector<PyObject*> items;
   std::vector<LazyFacts> facts;
@@ -133,7 +135,7 @@ py::tuple ScreenOf(py::list entries) {
     if (!ReadLazy(TensorOf(entry.ptr(), nullptr), &facts.back())) facts.back() = LazyFacts();
   }
   Judged judged;
-  Screen(items, facts, &judged);
+  Screen(items, facts, clones, &judged);
   return py::make_tuple(judged.donors, judged.referred);
 }
 
@@ -228,7 +230,7 @@ py::tuple SettleEntries(py::list entries, bool certain) {
 
 void RegisterCommit(py::module_& m) {
   m.def("commit", &Split_, py::arg("only") = py::none());
-  m.def("screen", &ScreenOf, py::arg("entries"));
+  m.def("screen", &ScreenOf, py::arg("entries"), py::arg("clones") = std::vector<int64_t>());
   m.def("release_unheld", &ReleaseUnheld, py::arg("donors"));
   m.def("finish", &Finish, py::arg("donors"), py::arg("release") = false);
   m.def("settle_entries", &SettleEntries, py::arg("entries"), py::arg("certain"));

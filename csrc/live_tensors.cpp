@@ -3,6 +3,7 @@
 // (docs/design.md, "The live-tensor registry").  A copy made from a donor
 // since the last barrier reads the donor's device_data node; only the
 // registry shows it.
+#include <pybind11/stl.h>
 #include <torch/csrc/lazy/backend/backend_interface.h>
 #include <torch/csrc/lazy/core/ir.h>
 #include <torch/csrc/lazy/core/lazy_graph_executor.h>
@@ -88,11 +89,12 @@ bool DonorKeyOfFacts(const LazyFacts& facts, DonorKey* key) {
   return true;
 }
 
-bool SameStepCopies(const std::vector<DonorKey>& donors, std::vector<std::vector<int64_t>>* out) {
+bool SameStepCopies(const std::vector<DonorKey>& donors, const std::vector<int64_t>& skip,
+                    std::vector<std::vector<int64_t>>* out) {
   out->assign(donors.size(), {});
   using Key = std::pair<uintptr_t, size_t>;  // (node or buffer, donor)
   std::vector<Key> nodes, buffers, borrowed;  // borrowed: match live handles too
-  std::vector<int64_t> ids;
+  std::vector<int64_t> ids(skip);  // donated together, or skipped
   for (size_t i = 0; i < donors.size(); ++i) {
     const DonorKey& d = donors[i];
     if (d.buffer == 0) continue;
@@ -111,7 +113,7 @@ bool SameStepCopies(const std::vector<DonorKey>& donors, std::vector<std::vector
       std::sort(ids.begin(), ids.end());
       sorted = true;
     }
-    if (std::binary_search(ids.begin(), ids.end(), id)) return;  // donated together
+    if (std::binary_search(ids.begin(), ids.end(), id)) return;
     for (auto it = std::lower_bound(keys.begin(), keys.end(), Key(key, 0));
          it != keys.end() && it->first == key; ++it) {
       auto& found = (*out)[it->second];
@@ -204,7 +206,7 @@ void RegisterLiveTensors(py::module_& m) {
         bool on;
         {
           py::gil_scoped_release no_gil;
-          on = SameStepCopies(keys, &found);
+          on = SameStepCopies(keys, {}, &found);
         }
         if (!on) return py::none();
         py::dict out;  // sparse: the donors with copies, or unreadable (None)

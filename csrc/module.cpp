@@ -86,7 +86,7 @@ PYBIND11_MODULE(_C, m) {
       "Hands the native module the Python objects it needs (_native.py, at import).");
   m.def(
       "mark",
-      [](py::object tensor, std::string file, int line, Dims shape, std::string dtype,
+      [](py::object tensor, std::string file, int line, std::vector<int64_t> shape, std::string dtype,
          int64_t nbytes, int via, int64_t version) -> py::object {
         // Tests put marks straight into the ledger: refuse garbage here.
         if (tensor.is_none()) throw py::type_error("mark() needs a tensor, got None");
@@ -97,7 +97,7 @@ PYBIND11_MODULE(_C, m) {
         RecordPtr record = NewRecord();
         record->file = std::make_shared<const std::string>(file);
         record->line = line;
-        record->shape = shape;
+        record->shape.assign(shape.begin(), shape.end());
         record->dtype = InternDtype(dtype);
         record->nbytes = nbytes;
         record->via = static_cast<Via>(via);

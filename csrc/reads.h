@@ -112,8 +112,10 @@ struct DonorKey {
 };
 bool DonorKeyOfFacts(const LazyFacts& facts, DonorKey* key);
 // Per donor, the ids of other live tensors the barrier backs with its
-// buffer (copies made since the last barrier).  False when the walk is off.
-bool SameStepCopies(const std::vector<DonorKey>& donors, std::vector<std::vector<int64_t>>* out);
+// buffer (copies made since the last barrier), but those in `skip` (clones,
+// which get a buffer of their own).  False when the walk is off.
+bool SameStepCopies(const std::vector<DonorKey>& donors, const std::vector<int64_t>& skip,
+                    std::vector<std::vector<int64_t>>* out);
 // Per donor, the holders of its buffer (or XLATensor) beyond what the donors
 // sharing it account for.
 std::vector<long> ExcessHolders(const std::vector<LazyFacts>& facts);

@@ -216,6 +216,13 @@ def _judged(referred, notices) -> list:
         more, referred_again = C.screen(excess)
         donors += more
         referred = [r for r in referred if r[1] != S.EXCESS] + referred_again
+    copies = [(e, ids) for e, split, ids in referred if split == S.COPY]
+    if copies:
+        # Copies made in this step: a clone gets a buffer of its own at the
+        # barrier, any other copy is backed with the donor's (_holders.py).
+        more, referred_again = holders.resolve_copies(copies)
+        donors += more
+        referred = [r for r in referred if r[1] != S.COPY] + referred_again
     kept, dropped = holders.judge_shared(referred)
     verdicts.drop_entries(dropped, notices)
     return donors + kept

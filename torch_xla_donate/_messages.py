@@ -162,10 +162,9 @@ CPP_ALIAS = ("it shares its buffer with tensors only C++ code holds: most likely
              "the graph")
 SHARES = (
     "it shares its device buffer with {names}: torch_xla backs copies made by "
-    "load_state_dict, copy_, t.to(device, copy=True), torch.tensor(t) or x[...] = t, and "
-    "a .clone() read before its first step, with their source's buffer, and donating it "
-    "would destroy that tensor too. Make such copies with .clone() and run a step "
-    "(torch_xla.sync()) before reading them: the step gives a clone its own buffer")
+    "load_state_dict, copy_, t.to(device, copy=True), torch.tensor(t) or x[...] = t with "
+    "their source's buffer, and donating it would destroy that tensor too. Make such copies "
+    "with .clone(), which torch_xla gives a buffer of its own")
 CPP_HOLDERS = (
     "its device buffer is also held where Python cannot reach it ({n} more reference(s) "
     "than its own: an autograd graph that saved a copy of it, made by t.to(device, "
@@ -174,12 +173,10 @@ CPP_HOLDERS = (
     "before the step that donates it")
 SAME_STEP = (
     "it shares its device buffer with {holder}, a copy made from it in this step "
-    "(load_state_dict, copy_, t.to(device, copy=True), torch.tensor(t), x[...] = t, or a "
-    ".clone() or copy.deepcopy) that the step would back with this buffer: donating it would "
-    "destroy the copy. Make the copy with .clone() (copy.deepcopy for a module) and run a "
-    "step (torch_xla.sync()) before the one that donates its source: the step gives a clone "
-    "a buffer of its own. For load_state_dict, load a state_dict whose tensors were cloned "
-    "before that step; a plain copy keeps sharing its source's buffer")
+    "(load_state_dict, copy_, t.to(device, copy=True), torch.tensor(t), x[...] = t) that the "
+    "step would back with this buffer: donating it would destroy the copy. Make the copy with "
+    ".clone() (copy.deepcopy for a module), which torch_xla gives a buffer of its own; for "
+    "load_state_dict, load a state_dict of clones")
 UNREAD = ("torch_xla_donate could not read its device buffer (it is no plain device data any "
           "more), so it cannot tell who else holds it")
 REFUSED_FLAG = ("torch_xla refused them as donors: their values are not plain device data (a "

@@ -145,6 +145,14 @@ def wait_device_ops(device=None) -> None:
         wait(_XLAC._xla_real_devices([str(device)]))
 
 
+def attach_copies(tensors) -> None:
+    """torch_xla's collection of a sync, asked of ``tensors`` without running
+    anything: a copy whose IR is its source's device data is backed with that
+    buffer now, a clone keeps its pending IR (it gets a buffer of its own at
+    the barrier)."""
+    REAL["_get_graph_hash"](list(tensors))
+
+
 def runtime_started() -> bool:
     """True once torch_xla's runtime is up (no XLA computation before it)."""
     started = getattr(_XLAC, "_xla_runtime_is_initialized", None)

@@ -39,7 +39,6 @@ def strict():
 @pytest.fixture
 def disabled():
     previous = tdx.configure(enabled=False)
-    switches._disabled_warned.clear()  # the once-per-process warning, for this test
     yield
     tdx.configure(**previous)
 
@@ -203,14 +202,21 @@ def test_strict_switched_off_again_warns(dev, strict):
 # -- the off switch -----------------------------------------------------------
 
 
-def test_disabled_donates_nothing_and_warns_once(dev, disabled):
+@pytest.mark.parametrize("action, per_line", [("default", 1), ("always", 3)])
+def test_disabled_donates_nothing_and_warns_through_the_filters(dev, disabled, action, per_line):
+    """Each marking line warns; Python's filters decide how often (once per
+    line by default, every time under "always")."""
     ps = [materialize(torch.full((64,), float(i), device=dev)) for i in range(3)]
     ptrs = [buffer_ptr(p) for p in ps]
-    with pytest.warns(tdx.DonationDisabledWarning, match="TORCH_XLA_DONATE_DISABLE=1") as caught:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter(action)
         for p in ps:
             tdx.donate_buffer(p)
             torch_xla._XLAC.donate_buffer(p)  # the alias installed into torch_xla
-    assert sum(issubclass(w.category, tdx.DonationDisabledWarning) for w in caught) == 1
+    said = [w for w in caught if issubclass(w.category, tdx.DonationDisabledWarning)]
+    assert len(said) == 2 * per_line and len({w.lineno for w in said}) == 2
+    assert all("TORCH_XLA_DONATE_DISABLE=1" in str(w.message) for w in said)
+    assert all(w.filename == __file__ for w in said)
     assert _C.marked_count() == 0 and not any(tdx.is_donated(p) for p in ps)
     news = [p + 1 for p in ps]
     with warnings.catch_warnings():
@@ -219,9 +225,6 @@ def test_disabled_donates_nothing_and_warns_once(dev, disabled):
     for i, (p, new) in enumerate(zip(ps, news)):
         _assert_kept(p, [float(i)] * 64)
         assert buffer_ptr(new) != ptrs[i] and new.cpu().tolist() == [i + 1.0] * 64
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # still once: no second warning
-        tdx.donate_buffer(ps[0])
 
 
 def test_disabled_still_checks_its_argument(dev, disabled):
@@ -333,12 +336,13 @@ def test_env_strict_turns_the_warning_into_an_error(probes):
     assert "usable: consumed [] new [2.0, 2.0, 2.0, 2.0]" in lines["usable"]
 
 
-def test_env_disable_switches_donation_off_with_one_warning(probes):
+def test_env_disable_switches_donation_off_and_warns_each_call_under_always(probes):
     lines = probes["disable"]
     assert "{'strict': True, 'enabled': False, 'auto': False}" in lines["config"]
     # Disabled wins: nothing is marked, so nothing can be unusable either.
     assert "unusable: no error ['DonationDisabledWarning'] x [0.0, 1.0, 2.0] marked 0" in lines["unusable"]
-    assert "usable: kept [] new [2.0, 2.0, 2.0, 2.0]" in lines["usable"]
+    assert ("usable: kept ['DonationDisabledWarning', 'DonationDisabledWarning'] new "
+            "[2.0, 2.0, 2.0, 2.0]") in lines["usable"]
 
 
 def test_env_zero_leaves_the_defaults(probes):

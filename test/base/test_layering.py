@@ -175,7 +175,7 @@ def test_reused_is_settled_natively_in_one_place():
             if file.endswith((".cpp", ".h")):
                 with open(os.path.join(folder, file)) as f:
                     text = f.read()
-                places += [file] * len(re.findall(r"Settle(?:All)?\([^;]*Verdict::kReused", text))
+                places += [file] * len(re.findall(r"Settle(?:All)?\([^;]*Verdict::REUSED", text))
     assert places == ["commit.cpp"]
 
 

@@ -235,7 +235,6 @@ _SWITCHED_OFF = {
 @pytest.mark.parametrize("how", list(_SWITCHED_OFF))
 def test_switched_off_a_compiled_function_donates_nothing(dev, monkeypatch, how, compiled_before,
                                                           fullgraph):
-    monkeypatch.setattr(torch_xla_donate._config, "_disabled_warned", set())
     step = torch.compile(_SWITCHED_OFF[how](), backend="openxla", fullgraph=fullgraph)
     if compiled_before:  # the graph and its donating executable exist already
         warm = materialize(torch.randn(N, N, device=dev))

@@ -128,7 +128,6 @@ def test_messages_blame_the_call_site(dev):
 
 
 def test_switched_off_warning_points_at_the_call(dev, monkeypatch):
-    monkeypatch.setattr(torch_xla_donate._config, "_disabled_warned", set())
     step = torch_xla.compile(tdx.donating(_axpy, donate_argnums=0))
     x, y = _pair(dev)
     previous = tdx.configure(enabled=False)

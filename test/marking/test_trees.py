@@ -119,8 +119,6 @@ def test_opaque_root_is_a_type_error_and_scalars_are_skipped(dev):
 
 
 def test_switched_off_donates_nothing_and_warns_at_the_callers_line(dev, monkeypatch):
-    # The warning is given once per process: forget earlier tests' warnings.
-    monkeypatch.setattr(torch_xla_donate._config, "_disabled_warned", set())
     t = torch.ones(4, device=dev)
     materialize(t)
     previous = tdx.configure(enabled=False)

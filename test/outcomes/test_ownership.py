@@ -141,6 +141,23 @@ def test_a_user_held_view_is_still_refused_and_named(dev):
     assert v.cpu().tolist() == [0.0, 1.0] and not tdx.is_donated(t)
 
 
+@pytest.mark.parametrize("graph", ["no graph", "a forward pass", "a kept p.cpu()"])
+def test_a_named_parameter_alias_is_refused_with_or_without_a_graph(dev, graph):
+    """``p = nn.Parameter(x)`` kept by the user shares x's buffer: one rule,
+    whatever autograd graph hangs on p."""
+    x = materialize(torch.randn(4, 4, device=dev))
+    p = torch.nn.Parameter(x)
+    value = x.cpu()
+    kept = {"no graph": None, "a forward pass": lambda: (p * 2).sum(),
+            "a kept p.cpu()": lambda: p.cpu()}[graph]
+    kept = kept() if kept else None
+    with pytest.raises(ValueError, match="shares its buffer with a live view or alias"):
+        tdx.donate_buffer(x)
+    torch_xla.sync()
+    assert not tdx.is_deleted(p) and torch.equal(p.detach().cpu(), value)
+    assert not tdx.is_donated(x)
+
+
 @pytest.mark.parametrize("copy", ["clone", "copy_", "to(copy=True)", "torch.tensor"])
 def test_a_copy_that_has_no_buffer_of_its_own_yet_is_refused(dev, copy):
     src = materialize(torch.arange(4.0, device=dev))

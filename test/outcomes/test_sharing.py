@@ -151,3 +151,44 @@ def test_donors_of_one_step_may_share_a_buffer(dev):
     tdx.settle()
     assert tdx.is_deleted(w) and tdx.is_deleted(c)
     assert new.shape == (8, 8)
+
+
+@pytest.mark.parametrize("copy", ["clone", "deepcopy"] + list(COPIES))
+@pytest.mark.usefixtures("native_reads")
+def test_a_same_step_clone_keeps_every_donation_and_a_copy_drops_it(dev, copy):
+    """A loop logging its update with ``prev = p.clone()``: the clone gets a
+    buffer of its own at the barrier, so every step's donation is reused; a
+    copy torch_xla backs with p's buffer drops it.  Values equal the loop
+    without donation either way."""
+    import copy as copy_module
+
+    make = {"clone": lambda t: t.clone(), "deepcopy": copy_module.deepcopy, **COPIES}[copy]
+
+    def loop(donate):
+        torch.manual_seed(0)
+        p, g = torch.randn(16, 16).to(dev), torch.randn(16, 16).to(dev)
+        logged, reused, dropped = [], 0, 0
+        for i in range(8 if copy == "clone" else 2):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                prev = make(p)
+                if donate:
+                    tdx.donate_buffer(p)
+                p = p - 0.1 * (i + 1) * g
+                torch_xla.sync()
+                tdx.settle()
+            logged.append((p - prev).norm().cpu())
+            if donate:
+                reused += tdx.last_step_report().reused
+                dropped += sum(issubclass(w.category, tdx.DroppedDonationWarning)
+                               for w in caught)
+        return p.cpu(), logged, reused, dropped
+
+    p, logged, reused, dropped = loop(True)
+    p_plain, logged_plain, _, _ = loop(False)
+    assert torch.equal(p, p_plain) and all(map(torch.equal, logged, logged_plain))
+    steps = len(logged)
+    if copy in ("clone", "deepcopy"):
+        assert (reused, dropped) == (steps, 0)
+    else:
+        assert (reused, dropped) == (0, steps)
