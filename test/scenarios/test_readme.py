@@ -22,9 +22,7 @@ the README's two commands, which CI runs (.ci/run).
 
 Links: every ``[text](target)`` and ``![alt](target)`` outside code whose
 target is relative must name a file that exists, and a ``#anchor`` must be a
-heading of the target (GitHub's slugs).  A target listed in
-PENDING_LINK_TARGETS may be missing: it is written elsewhere and lands
-before the merge; once it exists it is checked like any other.
+heading of the target (GitHub's slugs).
 """
 import json
 import os
@@ -39,9 +37,6 @@ import pytest
 REPO = pathlib.Path(__file__).resolve().parents[2]
 DOCS = sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").glob("*.md"))
 READMES = ["README.md", *DOCS, "benchmarks/README.md"]
-# Link targets that may not exist yet (repository paths).  docs/design.md is
-# written on the redesign's branch; remove it from here once it has landed.
-PENDING_LINK_TARGETS = {"docs/design.md"}
 RUNNER = pathlib.Path(__file__).with_name("readme_runner.py")
 
 # Reasons a block may be skipped (a TPU-only or multi-host block); empty:
@@ -398,7 +393,7 @@ def anchors_of(text: str) -> set:
     return out
 
 
-def broken_links(page: pathlib.Path, root: pathlib.Path = REPO, pending=frozenset()) -> list:
+def broken_links(page: pathlib.Path, root: pathlib.Path = REPO) -> list:
     """The relative links and images of ``page`` that do not resolve."""
     text, out = page.read_text(), []
     for n, line in _prose_lines(text):
@@ -414,8 +409,7 @@ def broken_links(page: pathlib.Path, root: pathlib.Path = REPO, pending=frozense
                 out.append(f"{where} points outside the repository")
                 continue
             if not dest.exists():
-                if rel not in pending:
-                    out.append(f"{where}: no file {rel}")
+                out.append(f"{where}: no file {rel}")
                 continue
             if anchor and dest.suffix == ".md" and anchor not in anchors_of(dest.read_text()):
                 out.append(f"{where}: no heading #{anchor} in {rel}")
@@ -424,7 +418,7 @@ def broken_links(page: pathlib.Path, root: pathlib.Path = REPO, pending=frozense
 
 @pytest.mark.parametrize("page", READMES)
 def test_every_relative_link_and_image_resolves(page):
-    assert broken_links(REPO / page, pending=PENDING_LINK_TARGETS) == []
+    assert broken_links(REPO / page) == []
 
 
 def test_the_readme_links_every_docs_page_and_shows_a_chart():
@@ -432,7 +426,7 @@ def test_the_readme_links_every_docs_page_and_shows_a_chart():
     text = (REPO / "README.md").read_text()
     linked = {(REPO / t.partition("#")[0]).resolve() for _, line in _prose_lines(text)
               for t in _LINK.findall(line)}
-    pages = {REPO / p for p in DOCS} | {REPO / p for p in PENDING_LINK_TARGETS}
+    pages = {REPO / p for p in DOCS}
     assert {p for p in pages if p.resolve() not in linked} == set()
     assert re.search(r"!\[[^\]]*\]\(benchmarks/results/\w+\.png\)", text)
     assert len(text.splitlines()) <= 300
@@ -440,17 +434,17 @@ def test_the_readme_links_every_docs_page_and_shows_a_chart():
 
 def test_the_link_checker_finds_what_is_broken(tmp_path):
     """It fails on a missing file, a missing anchor and a missing image, and
-    not on links that resolve, on code, or on a pending target."""
+    not on links that resolve or on code."""
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "a.md").write_text("# Page A\n\n## The `x_y` part: why?\n\n## Twice\n\n## Twice\n")
     (tmp_path / "img.png").write_bytes(b"")
     page = tmp_path / "README.md"
     page.write_text(
         "# T\n\n[ok](docs/a.md) [ok](docs/a.md#the-x_y-part-why) [ok](docs/a.md#twice-1)\n"
-        "![ok](img.png) [ok](#t) [web](https://example.com/x) [later](docs/pending.md)\n"
+        "![ok](img.png) [ok](#t) [web](https://example.com/x)\n"
         "`[code](nowhere.md)`\n```\n[code](nowhere.md)\n```\n"
         "[bad](docs/b.md) [bad](docs/a.md#nope) ![bad](img2.png) [bad](#nope)\n")
-    found = broken_links(page, root=tmp_path, pending={"docs/pending.md"})
+    found = broken_links(page, root=tmp_path)
     assert [f.split(": (")[1].split(")")[0] for f in found] == \
         ["docs/b.md", "docs/a.md#nope", "img2.png", "#nope"], found
 

@@ -1,13 +1,10 @@
 """The examples the README's recipes point to and no other test runs: SPMD
 (always) and torchopt (where torchopt is installed; it is not a dependency)."""
-import importlib.util
 import os
 import pathlib
 import re
 import subprocess
 import sys
-
-import pytest
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 
@@ -29,7 +26,6 @@ def test_spmd_example_donates_every_shard_every_step():
     assert re.search(r"reused \(poisoned\)\s+12\b", out), out
 
 
-@pytest.mark.skipif(importlib.util.find_spec("torchopt") is None, reason="torchopt not installed")
 def test_torchopt_example_learns_and_donates_params_and_moments():
     out = _run("torchopt_adam.py", "--steps", "6", "--width", "64")
     losses = [float(x) for x in re.findall(r"loss ([0-9.]+)", out)]
