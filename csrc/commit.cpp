@@ -154,7 +154,9 @@ bool KeepBuffer(PyObject* entry, PyObject* t, bool (*keep)(PyObject*, HeldBuffer
 // donation's die while tracing.
 // (A weak reference does not keep it: it dies as it is let go.)
 bool ReleaseIfUnheld(PyObject* entry, PyObject* t) {
-  if (t == Py_None || Py_REFCNT(t) != 1) return false;
+  // Not a tensor whose finalizer may bring it back: that one is poisoned.
+  if (t == Py_None || Py_REFCNT(t) != 1 || Py_TYPE(t)->tp_finalize || Py_TYPE(t)->tp_del)
+    return false;
   TensorFacts facts;
   return Facts(t, &facts, false) == 1 && facts.impl_use_count == 1 &&
          KeepBuffer(entry, t, ReleaseEntryTensor);

@@ -109,7 +109,8 @@ bool HeldByAutograd(PyObject* t, const TensorFacts& facts) {
 }
 
 bool OnlyHeldByItsEntry(PyObject* t) {
-  if (Py_REFCNT(t) != 1) return false;
+  // A finalizer (a subclass's __del__) may bring the object back.
+  if (Py_REFCNT(t) != 1 || Py_TYPE(t)->tp_finalize || Py_TYPE(t)->tp_del) return false;
 #if PY_VERSION_HEX < 0x030C0000
   if (Py_TYPE(t)->tp_weaklistoffset > 0 && *PyObject_GET_WEAKREFS_LISTPTR(t) != nullptr)
     return false;

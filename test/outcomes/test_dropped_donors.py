@@ -14,6 +14,7 @@ throughput).  With the Python poison key the entry also keeps the inner
 tensor's Python object, which goes at the next barrier."""
 import contextlib
 import random
+import warnings
 
 import pytest
 import torch
@@ -144,6 +145,38 @@ def test_a_finalizer_that_keeps_the_donor_alive_keeps_it_poisoned(dev):
         before = xla.live_tensor_count()
         del back
         assert xla.live_tensor_count() == before - 1
+    assert out.cpu().tolist() == [2.0 * i + 1 for i in range(16)]
+
+
+@pytest.mark.parametrize("dropped", ["before the barrier", "after the barrier"])
+@pytest.mark.parametrize("wait", WAITS)
+def test_a_donor_its_finalizer_brings_back_is_poisoned_and_not_blamed_on_a_copy(
+        dev, dropped, wait):
+    """Dropped before its barrier, the donor is not let go early: its
+    ``__del__`` could bring it back after its buffer went.  Either way the
+    one that comes back raises DonatedBufferError, and no warning blames a
+    holder that does not exist."""
+    KEPT.clear()
+    with collector_off(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        x = torch.Tensor._make_subclass(KeepsItself, materialize(torch.arange(16.0, device=dev)))
+        x.role = "the donor"
+        with torch_xla.step() if wait == "step_block" else contextlib.nullcontext():
+            tdx.donate_buffer(x)
+            out = x * 2 + 1
+            if dropped == "before the barrier":
+                del x
+            if wait != "step_block":
+                torch_xla.sync(wait=wait == "sync")
+        if dropped == "after the barrier":
+            del x
+        tdx.settle()
+        (back,) = KEPT
+        KEPT.clear()
+        with pytest.raises(tdx.DonatedBufferError):
+            back * 2
+    assert [str(w.message) for w in caught] == []
+    assert tdx.last_step_report().reused == 1
     assert out.cpu().tolist() == [2.0 * i + 1 for i in range(16)]
 
 
