@@ -1,19 +1,8 @@
-"""``configure()``, the environment switches, and whether donation is on.
+"""``configure()`` and the environment switches: this module writes the switches,
+which live natively where marking reads them (docs/design.md, "State and who owns it").
 
-* ``TORCH_XLA_DONATE_STRICT=1`` / ``configure(strict=True)``: an unusable
-  donation raises ``UnusedDonationError`` instead of warning;
-* ``TORCH_XLA_DONATE_DISABLE=1`` / ``configure(enabled=False)``: marking
-  checks its argument and does nothing;
-* ``TORCH_XLA_DONATE_AUTO=1`` / ``configure(auto=True)``: each step barrier
-  also donates the step inputs nothing else holds (_auto.py).
-
-Donation is also off under torch_xla's ``XLA_ENABLE_PARAM_ALIASING=0`` and
-once a guard failed (_guards.py).  The switches live natively, where marking
-reads them (``C.switches()``); this module writes them.
-
->>> import torch_xla_donate as tdx
->>> old = tdx.configure(strict=True)
->>> tdx.configure(**old)["strict"], strict()
+>>> old = configure(strict=True)
+>>> configure(**old)["strict"], configure()["strict"]  # no argument: only reads
 (True, False)
 """
 import os
@@ -25,19 +14,18 @@ from . import _xla_cpu as xla_cpu
 from ._native import C
 from .errors import DonationDisabledWarning
 
-__all__ = ["configure", "strict", "enabled", "auto", "on", "warn_if_off", "refresh", "hooks_in"]
+__all__ = ["configure", "strict", "auto", "on", "warn_if_off", "refresh", "hooks_in"]
 
 
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-_RETIRED = ("{what} is retired and ignored: torch_xla_donate always checks who else holds a "
-            "donated buffer (copies made in the step included) and keeps the donation when "
-            "another tensor does. Remove it.")
+_RETIRED = ("{what} is retired and ignored: torch_xla_donate always checks who else holds a donated "
+            "buffer (copies made in the step included) and keeps the donation when another "
+            "tensor does. Remove it.")
 if "TORCH_XLA_DONATE_CHECK_SHARING" in os.environ:
-    warnings.warn(_RETIRED.format(what="TORCH_XLA_DONATE_CHECK_SHARING"), DeprecationWarning,
-                  stacklevel=2)
+    warnings.warn(_RETIRED.format(what="TORCH_XLA_DONATE_CHECK_SHARING"), DeprecationWarning, stacklevel=2)
 C.set_switches(strict=_env_flag("TORCH_XLA_DONATE_STRICT"),
                enabled=not _env_flag("TORCH_XLA_DONATE_DISABLE"),
                auto=_env_flag("TORCH_XLA_DONATE_AUTO"))
@@ -45,25 +33,13 @@ C.set_switches(strict=_env_flag("TORCH_XLA_DONATE_STRICT"),
 
 def configure(*, strict: bool | None = None, enabled: bool | None = None,
               check_sharing=None, auto: bool | None = None) -> dict:
-    """Sets the switches given; None leaves one as it is.
+    """Sets the switches given (None: left as is) and returns the previous values.
 
-    Args:
-      strict: unusable donations raise ``UnusedDonationError`` instead of
-        warning.
-      enabled: False switches donation off (marking checks and does nothing).
-      check_sharing: retired: ignored with a ``DeprecationWarning``.
-      auto: at each step barrier also donate the step inputs nothing else
-        holds; off by default.
-
-    Returns:
-      The previous values, so ``configure(**previous)`` restores them.
-
-    Raises:
-      TypeError: a value is not True, False or None.
-    """
+    ``strict`` (``TORCH_XLA_DONATE_STRICT=1``): unusable donations raise instead of warning;
+    ``enabled=False`` (``TORCH_XLA_DONATE_DISABLE=1``): marking does nothing; ``auto``
+    (``TORCH_XLA_DONATE_AUTO=1``): barriers also donate the step inputs nothing else holds."""
     if check_sharing is not None:
-        warnings.warn(_RETIRED.format(what="configure(check_sharing=...)"), DeprecationWarning,
-                      stacklevel=2)
+        warnings.warn(_RETIRED.format(what="configure(check_sharing=...)"), DeprecationWarning, stacklevel=2)
     given = {"strict": strict, "enabled": enabled, "auto": auto}
     for name, value in given.items():
         if value is not None and not isinstance(value, bool):
@@ -78,10 +54,6 @@ def strict() -> bool:
     return C.switches()["strict"]
 
 
-def enabled() -> bool:
-    return C.switches()["enabled"]
-
-
 def auto() -> bool:
     return C.switches()["auto"]
 
@@ -92,8 +64,7 @@ def on() -> bool:
 
 
 def warn_if_off() -> bool:
-    """True, with a ``DonationDisabledWarning`` at the user's line (Python's
-    filters show it once per line by default), when donation is off."""
+    """True, with a ``DonationDisabledWarning`` at the user's line, when donation is off."""
     switches = C.switches()
     if switches["on"]:
         return False
@@ -106,13 +77,10 @@ def warn_if_off() -> bool:
 
 
 def hooks_in(in_: bool) -> None:
-    """_hooks.py: the hooks are in or out (without them nothing commits a mark)."""
     C.set_switches(hooks_in=in_)
 
 
 def refresh() -> None:
-    """Reads what the switches follow from the environment: torch_xla reads
-    ``XLA_ENABLE_PARAM_ALIASING`` when it first compiles, so a change before
-    the first step counts (every barrier calls this), and whether a
-    ``StaleReadWarning`` is owed first."""
+    """Reads again ``XLA_ENABLE_PARAM_ALIASING`` (torch_xla reads it at its first compile,
+    so every barrier looks) and whether a ``StaleReadWarning`` is owed first."""
     C.set_switches(aliasing=xla.aliasing_enabled(), warn_first=xla_cpu.warning_due())

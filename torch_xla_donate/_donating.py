@@ -1,25 +1,12 @@
-"""``donating``: a function whose chosen arguments are donated on every call,
-and how ``donate_argnums``/``donate_argnames`` match its parameters.
-
-An argument is donated however it is passed: donation is decided per
-*parameter* of the function's signature, resolved once when wrapping (each
-call then only picks the selected arguments out of ``(args, kwargs)``, which
-dynamo traces without a graph break).  As in JAX, a donated argument the
-function hands back stays alive (its mark is cancelled), a call that raises
-leaves nothing marked, and default values are never donated.  An index past
-the named positional parameters picks an element of ``*args`` (reported as
-selected, as JAX does); a callable without a signature takes positions of
-each call; an ``nn.Module`` is matched against its ``forward``.  Mistakes
-(an index out of range, an unknown name, an empty selection) are caught when
-wrapping, naming the function, its parameters and the fix.
+"""``donating``, and how its selection matches the parameters: once, when wrapping, so that a call
+only picks the selected arguments out of ``(args, kwargs)``, which dynamo traces without a graph break.
 
 >>> def step(params, batch, *, lr=0.1): ...
 >>> s = Selection(step, (0,), ("lr",))
->>> s.argnums, s.argnames
-((0,), ('params', 'lr'))
->>> [label for label, _ in s.arguments(("P", "B"), {"lr": 0.5})]
-['params', 'lr']
+>>> s.argnums, s.argnames, [label for label, _ in s.arguments(("P", "B"), {"lr": 0.5})]
+((0,), ('params', 'lr'), ['params', 'lr'])
 """
+
 import difflib
 import functools
 import inspect
@@ -35,44 +22,43 @@ from ._native import C, Via, lock
 __all__ = ["donating"]
 
 
-def donating(fn: Callable | None = None, *, donate_argnums: int | Sequence[int] = (),
-             donate_argnames: str | Sequence[str] = ()):
-    """Wraps ``fn`` so that the chosen arguments are donated on every call.
+def donating(
+    fn: Callable | None = None,
+    *,
+    donate_argnums: int | Sequence[int] = (),
+    donate_argnames: str | Sequence[str] = (),
+):
+    """Wraps ``fn`` (a function, module or any callable) so that the chosen arguments are donated on
+    every call: every tensor of them is marked with ``donate`` (all or nothing), then ``fn`` runs.
 
-    Each call marks every tensor of the selected arguments with ``donate``
-    (all or nothing), then calls ``fn``.  Works as a decorator
-    (``@donating(donate_argnums=0)``) or directly (``donating(fn,
-    donate_argnums=0)``).
+    As in JAX, an argument is donated however it is passed, a donated argument ``fn`` hands back stays
+    alive (its mark is cancelled), a call that raises leaves nothing marked, and default values are
+    never donated.  Works as a decorator (``@donating(donate_argnums=0)``) or directly
+    (``donating(fn, donate_argnums=0)``), and returns the wrapper, whose ``donate_argnums`` and
+    ``donate_argnames`` say what was resolved.
 
     Args:
-      fn: the function (or module, or any callable) to wrap.
-      donate_argnums: positions of the parameters to donate (see the module
-        docstring for ``*args`` and callables without a signature).
-      donate_argnames: names of the parameters to donate; an argument
-        selected both ways is donated once.
+      donate_argnums: positions of the parameters to donate (a module's: its ``forward``'s); one past
+        the named positional parameters picks an element of ``*args``; for a callable without a
+        signature, positions of each call.
+      donate_argnames: names of the parameters to donate; an argument selected both ways is donated
+        once.
 
-    Returns:
-      The wrapper, with ``donate_argnums`` and ``donate_argnames`` saying what
-      was resolved.
-
-    Raises at wrap time:
-      TypeError: ``fn`` is not callable, an index/name has the wrong type, or
-        ``donate_argnames`` is given for a callable without a signature.
-      ValueError: nothing is selected, an index is out of range, or a name is
-        not a parameter of ``fn`` or is positional-only.
+    Raises at wrap time (naming the function, its parameters and the fix):
+      TypeError: ``fn`` is not callable, an index/name has the wrong type, or ``donate_argnames`` is
+        given for a callable without a signature.
+      ValueError: nothing is selected, an index is out of range, or a name is not a parameter of
+        ``fn`` or is positional-only.
     """
     if fn is None:
-        return functools.partial(
-            donating, donate_argnums=donate_argnums, donate_argnames=donate_argnames
-        )
+        return functools.partial(donating, donate_argnums=donate_argnums, donate_argnames=donate_argnames)
     if not callable(fn):
         raise TypeError(
-            f"donating() expects the function to wrap as its first argument, got "
-            f"{fn!r}. Pass the selection by keyword: donating(fn, donate_argnums=0) "
-            "or @donating(donate_argnums=0)."
+            f"donating() expects the function to wrap as its first argument, got {fn!r}. Pass the "
+            "selection by keyword: donating(fn, donate_argnums=0) or @donating(donate_argnums=0)."
         )
-    selection = Selection(fn, _as_tuple(donate_argnums, "donate_argnums", int),
-                           _as_tuple(donate_argnames, "donate_argnames", str))
+    argnums = _as_tuple(donate_argnums, "donate_argnums", int)
+    selection = Selection(fn, argnums, _as_tuple(donate_argnames, "donate_argnames", str))
 
     @functools.wraps(fn)
     def donating_wrapper(*args, **kwargs):
@@ -82,13 +68,18 @@ def donating(fn: Callable | None = None, *, donate_argnums: int | Sequence[int] 
         if torch.compiler.is_compiling():  # dynamo traces this: graph ops
             trees.donate_trees_in_graph(selected)
             return fn(*args, **kwargs)
-        marked = _marks_of(selected, user_site())
+        tensors = trees.tensors_in(selected)
+        before = {id(t) for t in tensors if C.is_marked(t)}
+        trees.donate_named(selected, user_site(), Via.DONATING)
+        marked = [t for t in tensors if id(t) not in before and C.is_marked(t)]
         try:
             out = fn(*args, **kwargs)
         except BaseException:
             _cancel(marked)
             raise
-        _cancel(_handed_back(out, marked))
+        if marked:  # those handed back stay alive
+            returned = {id(t) for t in trees.tensors_in([("out", out)], refuse=False)}
+            _cancel([t for t in marked if id(t) in returned])
         return out
 
     if not torch.compiler.is_compiling():
@@ -99,28 +90,6 @@ def donating(fn: Callable | None = None, *, donate_argnums: int | Sequence[int] 
     return donating_wrapper
 
 
-def _marks_of(selected, where) -> list:
-    """Donates the ``(label, tree)`` pairs ``selected``; returns the tensors
-    this call newly marked."""
-    tensors = trees.tensors_in(selected)
-    before = {id(t) for t in tensors if C.is_marked(t)}
-    trees.donate_named(selected, where, Via.DONATING)
-    return [t for t in tensors if id(t) not in before and C.is_marked(t)]
-
-
-def _handed_back(out, marked) -> list:
-    """The tensors of ``marked`` that are among the leaves of ``out``.
-
-    >>> t = torch.ones(1)
-    >>> _handed_back({"w": t, "n": 3}, [t, torch.ones(1)]) == [t]
-    True
-    """
-    if not marked:
-        return []
-    returned = {id(t) for t in trees.tensors_in([("out", out)], refuse=False)}
-    return [t for t in marked if id(t) in returned]
-
-
 def _cancel(tensors) -> None:
     if tensors:
         with lock:
@@ -129,51 +98,32 @@ def _cancel(tensors) -> None:
 
 
 def _as_tuple(value, what, kind) -> tuple:
-    """``0`` -> ``(0,)``, ``"x"`` -> ``("x",)``, sequences as tuples; checks types.
-
-    >>> _as_tuple(0, "donate_argnums", int), _as_tuple(["x"], "donate_argnames", str)
-    ((0,), ('x',))
-    """
-    items = (value,) if isinstance(value, (int, str)) else tuple(value)
-    for item in items:
-        if kind is int:
-            ok = not isinstance(item, bool) and _is_index(item)
-        else:
-            ok = isinstance(item, str)
-        if not ok:
+    """``0`` -> ``(0,)``, ``"x"`` -> ``("x",)``, a sequence as a tuple of ``kind`` (int: any index)."""
+    out = []
+    for item in (value,) if isinstance(value, (int, str)) else tuple(value):
+        try:
+            if (kind is str and not isinstance(item, str)) or (kind is int and isinstance(item, bool)):
+                raise TypeError
+            out.append(operator.index(item) if kind is int else item)
+        except TypeError:
             raise TypeError(
-                f"donating(): {what} must be {'ints' if kind is int else 'strs'} "
-                f"or a sequence of them, got {item!r} ({type(item).__name__})."
-            )
-    return tuple(operator.index(i) for i in items) if kind is int else items
-
-
-def _is_index(item) -> bool:
-    try:
-        operator.index(item)
-        return True
-    except TypeError:
-        return False
+                f"donating(): {what} must be {'ints' if kind is int else 'strs'} or a sequence of them, "
+                f"got {item!r} ({type(item).__name__})."
+            ) from None
+    return tuple(out)
 
 
 # -- Matching the selection to the parameters ---------------------------------------
-
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 
 class Selection:
-    """The donated parameters of one function.
-
-    Each selected argument is one of: a named parameter (``("param", name)``),
-    an element of ``*args`` (``("vararg", i)``), a key of ``**kwargs``
-    (``("kwarg", key)``), or, for a callable without a signature, a position
-    of the call (``("position", i)``).
-    """
+    """The donated parameters of one function, each ``("param", name)``, ``("vararg", i)`` (an element
+    of ``*args``), ``("kwarg", key)`` (of ``**kwargs``) or ``("position", i)`` (no signature)."""
 
     def __init__(self, fn, argnums, argnames):
         self._fn_name = getattr(fn, "__qualname__", None) or repr(fn)
-        # An nn.Module's own signature is __call__'s (*args, **kwargs); the
-        # parameters a call binds to are forward's.
+        # An nn.Module's own signature is __call__'s (*args, **kwargs); a call binds forward's.
         target = fn.forward if isinstance(fn, torch.nn.Module) else fn
         try:
             self._signature = inspect.signature(target)
@@ -193,41 +143,37 @@ class Selection:
         self._names = [p.name for p in params]
         if not argnums and not argnames:
             raise ValueError(
-                f"donating({self._fn_name}) selects no argument, so it would donate "
-                f"nothing. Name what to donate: donating(fn, donate_argnums=0) or "
-                f"donate_argnames='{self._names[0] if self._names else 'x'}'. "
-                f"Parameters: {self._describe()}."
+                f"donating({self._fn_name}) selects no argument, so it would donate nothing. Name what "
+                f"to donate: donating(fn, donate_argnums=0) or donate_argnames="
+                f"'{self._names[0] if self._names else 'x'}'. Parameters: {self._describe()}."
             )
-        targets = [self._from_index(i) for i in argnums]
-        targets += [self._from_name(n) for n in argnames]
+        targets = [self._from_index(i) for i in argnums] + [self._from_name(n) for n in argnames]
         self._targets = list(dict.fromkeys(targets))  # selected both ways: once
         names = [key for kind, key in self._targets if kind == "param"]
-        # What was resolved, as in JAX: the positions of the selected
-        # positional parameters and of the selected elements of *args.
+        # What was resolved, as in JAX: the positions of the selected positional parameters and of
+        # the selected elements of *args.
         varargs = [len(self._positional) + key for kind, key in self._targets if kind == "vararg"]
-        self.argnums = tuple(sorted({self._positional.index(n) for n in names
-                                     if n in self._positional} | set(varargs)))
+        positions = {self._positional.index(n) for n in names if n in self._positional}
+        self.argnums = tuple(sorted(positions | set(varargs)))
         self.argnames = tuple(n for n in self._names if n in names)
 
     def _no_signature(self, argnums, argnames, error) -> None:
         if argnames:
             raise TypeError(
-                f"donating({self._fn_name}): donate_argnames needs the function's "
-                f"signature, and it has none that Python can read ({error}). Select by "
-                "position with donate_argnums, or wrap it in a Python function with "
-                "named parameters."
+                f"donating({self._fn_name}): donate_argnames needs the function's signature, and it has "
+                f"none that Python can read ({error}). Select by position with donate_argnums, or wrap "
+                "it in a Python function with named parameters."
             ) from None
         if not argnums:
             raise ValueError(
-                f"donating({self._fn_name}) selects no argument, so it would donate "
-                "nothing. Name what to donate: donating(fn, donate_argnums=0)."
+                f"donating({self._fn_name}) selects no argument, so it would donate nothing. Name what "
+                "to donate: donating(fn, donate_argnums=0)."
             )
         negative = [i for i in argnums if i < 0]
         if negative:
             raise ValueError(
-                f"donating({self._fn_name}): donate_argnums={negative[0]} is negative, but "
-                "without a signature the number of parameters is unknown. Use a "
-                "non-negative position."
+                f"donating({self._fn_name}): donate_argnums={negative[0]} is negative, but without a "
+                "signature the number of parameters is unknown. Use a non-negative position."
             )
         self._targets = [("position", i) for i in dict.fromkeys(argnums)]
         self.argnums, self.argnames = tuple(sorted(set(argnums))), ()
@@ -240,9 +186,9 @@ class Selection:
         if index < 0:
             if self._varargs is not None:
                 raise ValueError(
-                    f"donating({self._fn_name}): donate_argnums={index} is negative, "
-                    f"which is ambiguous for a function with *{self._varargs}: "
-                    f"{self._describe()}. Use a non-negative position."
+                    f"donating({self._fn_name}): donate_argnums={index} is negative, which is "
+                    f"ambiguous for a function with *{self._varargs}: {self._describe()}. Use a "
+                    "non-negative position."
                 )
             index += count
             if index < 0:
@@ -255,27 +201,23 @@ class Selection:
 
     def _out_of_range(self, index) -> ValueError:
         count = len(self._positional)
-        keyword_only = [n for n in self._names if n not in self._positional
-                        and n not in (self._varargs, self._varkw)]
-        hint = (
-            f" Keyword-only parameters are selected by name: donate_argnames="
-            f"{tuple(keyword_only)!r}." if keyword_only else ""
-        )
+        keyword_only = [n for n in self._names if n not in self._positional + [self._varargs, self._varkw]]
+        hint = ""
+        if keyword_only:
+            hint = f" Keyword-only parameters are selected by name: donate_argnames={tuple(keyword_only)!r}."
         # Only reached without *args, where negative indices count from the end.
         valid = f"0..{count - 1}, or -{count}..-1" if count else "none"
         return ValueError(
-            f"donating({self._fn_name}): donate_argnums={index} is out of range: "
-            f"{self._describe()} takes {count} positional parameter(s) "
-            f"{tuple(self._positional)!r} (valid indices: {valid}).{hint}"
+            f"donating({self._fn_name}): donate_argnums={index} is out of range: {self._describe()} takes "
+            f"{count} positional parameter(s) {tuple(self._positional)!r} (valid indices: {valid}).{hint}"
         )
 
     def _from_name(self, name):
         if name in self._positional_only:
-            position = self._positional.index(name)
             raise ValueError(
-                f"donating({self._fn_name}): donate_argnames={name!r} names a "
-                f"positional-only parameter of {self._describe()}, which no call can pass "
-                f"by name. Select it by position: donate_argnums={position}."
+                f"donating({self._fn_name}): donate_argnames={name!r} names a positional-only parameter "
+                f"of {self._describe()}, which no call can pass by name. Select it by position: "
+                f"donate_argnums={self._positional.index(name)}."
             )
         if name in self._names:
             return ("param", name)
@@ -284,13 +226,12 @@ class Selection:
         close = difflib.get_close_matches(name, self._names, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise ValueError(
-            f"donating({self._fn_name}): donate_argnames={name!r} is not a parameter "
-            f"of {self._describe()}; its parameters are {tuple(self._names)!r}.{hint}"
+            f"donating({self._fn_name}): donate_argnames={name!r} is not a parameter of "
+            f"{self._describe()}; its parameters are {tuple(self._names)!r}.{hint}"
         )
 
     def arguments(self, args, kwargs) -> list:
-        """The ``(label, value)`` of each selected argument passed in this call
-        (defaults are never picked: they are not passed)."""
+        """The ``(label, value)`` of each selected argument this call passes (a default is not)."""
         picked = []
         for kind, key in self._targets:
             if kind == "position":
@@ -301,7 +242,7 @@ class Selection:
                     picked.append((key, kwargs[key]))
                 elif key == self._varargs:
                     if len(args) > len(self._positional):
-                        picked.append((key, args[len(self._positional):]))
+                        picked.append((key, args[len(self._positional) :]))
                 elif key == self._varkw:
                     extra = {k: v for k, v in kwargs.items() if k not in self._names}
                     if extra:

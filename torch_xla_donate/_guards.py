@@ -1,15 +1,6 @@
-"""The guards of what the package reads below torch_xla's Python API, decided
-once per process at the first mark, on the tensor being marked (no graph of
-their own).  One that fails switches donation off for the process, every
-value kept (docs/design.md, "Reading torch_xla"): ``reads`` (the layout
-fact's RTTI, then the native answers equal ``_XLAC``'s), ``walk`` (the
-live-tensor registry found, its count torch_xla's), ``poisoning`` (the
-donated key refuses a probe and lets it go).  Tests get one native answer
-wrong through ``CORRUPT`` to see a mismatch switch donation off.
-
->>> describe_mismatch("tensor_id", 3, 2)
-'tensor_id: native 3, _XLAC 2'
-"""
+"""The guards of what the package reads below torch_xla's Python API, decided once per
+process at the first mark, on the tensor being marked; one that fails switches donation
+off for the process (docs/design.md, "Reading torch_xla")."""
 import threading
 
 import torch
@@ -18,29 +9,22 @@ from torch.utils import _python_dispatch
 from . import _xla as xla
 from ._native import C
 
-__all__ = ["decide", "decided", "failure", "state", "describe_mismatch", "CORRUPT"]
+__all__ = ["decide", "decided", "state", "CORRUPT"]
 
-# Test hook: the name of a LazyFacts field whose native answer the reads'
-# guard gets wrong (a flag flipped, a number plus 1; None: off).
+# Test hook: a LazyFacts field whose native answer the reads' guard gets wrong (flipped, or + 1).
 CORRUPT = None
 
-# What each guard's state says once it passed, and what it guards.
-_PASSED = {"reads": "native reads", "walk": "in use", "poisoning": "native dispatch key"}
+# What each guard guards (its failure's prefix), in the order they run; its state once passed.
 _WHAT = {"reads": "native reads", "walk": "torch_xla's live-tensor registry",
          "poisoning": "poisoning's dispatch key"}
-
-_GUARDS = ("reads", "walk", "poisoning")
+_PASSED = {"reads": "native reads", "walk": "in use", "poisoning": "native dispatch key"}
+_GUARDS = tuple(_WHAT)
 _lock = threading.Lock()
 
 
-def describe_mismatch(what: str, native, xlac) -> str:
-    return f"{what}: native {native}, _XLAC {xlac}"
-
-
 def decide(sample) -> bool:
-    """Runs the guards on ``sample`` once per process if it can serve (a
-    plain XLA tensor outside any dispatch mode: a FakeTensor or a functorch
-    wrapper waits for a later mark); True once decided."""
+    """Runs the guards on ``sample`` once per process if it can serve (a plain XLA tensor outside
+    any dispatch mode: a FakeTensor or functorch wrapper waits for a later mark); True once decided."""
     if decided() or not _can_serve(sample):
         return decided()
     with _lock:
@@ -64,19 +48,15 @@ def decided() -> bool:
     return C.switches()["decided"]
 
 
-def failure():
-    """Why a guard switched donation off (what it guards: why), or None."""
-    return C.switches()["failure"]
+def state(name: str, switches=None) -> str:
+    """A guard's state for the reports (``switches``: the process's by default):
+    what it passed as, ``"off (<why>)"``, ``"not decided yet"`` or ``"not tried"``.
 
-
-def state(name: str) -> str:
-    """A guard's state for the reports: what it passed as, ``"off (<why>)"``,
-    ``"not decided yet"`` or ``"not tried"`` (an earlier one failed).
-
-    >>> state("reads") in ("native reads", "not decided yet")
-    True
+    >>> failed = {"decided": True, "failure": "native reads: tensor_id: native 3, _XLAC 2"}
+    >>> state("reads", failed), state("walk", failed)
+    ('off (tensor_id: native 3, _XLAC 2)', 'not tried')
     """
-    switches = C.switches()
+    switches = switches or C.switches()
     why = switches["failure"]
     if not switches["decided"]:
         return "not decided yet"
@@ -89,13 +69,13 @@ def state(name: str) -> str:
 
 
 def _can_serve(t) -> bool:
-    if not xla.is_xla_tensor(t) or _python_dispatch._get_current_dispatch_mode() is not None:
-        return False
-    return C.lazy_learn(t) == ""
+    return (xla.is_xla_tensor(t) and _python_dispatch._get_current_dispatch_mode() is None
+            and C.lazy_learn(t) == "")
 
 
+# Each guard returns None when it passes, else why not.
 def _reads(t):
-    """None when the native read of ``t`` agrees with ``_XLAC``, else why not."""
+    """The native read of ``t`` agrees with ``_XLAC``."""
     why = C.lazy_learn(t)
     if why:
         return why
@@ -114,14 +94,13 @@ def _reads(t):
         checks.append(("handle", n["handle"], xla.buffer_handles([t])[0]))
     for what, native, expected in checks:
         if native != expected:
-            return describe_mismatch(what, native, expected)
+            return f"{what}: native {native}, _XLAC {expected}"
     C.lazy_set_enabled(True)
     return None
 
 
 def _walk(t):
-    """None when the walk of live tensors agrees with torch_xla's, else why
-    not: its count is torch_xla's own, and it finds ``t``."""
+    """The walk counts torch_xla's live tensors and finds ``t``."""
     why = xla.find_arena()
     if why:
         return why
@@ -129,8 +108,7 @@ def _walk(t):
         if C.live_count() == xla.live_tensor_count():
             break
     else:
-        return (f"the walk counts {C.live_count()} live tensors, torch_xla "
-                f"{xla.live_tensor_count()}")
+        return f"the walk counts {C.live_count()} live tensors, torch_xla {xla.live_tensor_count()}"
     tid = C.lazy_tensor_id(t)
     if tid not in {row[0] for row in C.live_tensors()}:
         return f"the walk did not find the first tensor marked (torch_xla tensor {tid})"
@@ -138,5 +116,5 @@ def _walk(t):
 
 
 def _poisoning(t):
-    """None when the donated key refuses a probe and lets it go again."""
+    """The donated key refuses a probe and lets it go again."""
     return C.donated_key_self_test(torch.zeros(2)) or None

@@ -1,27 +1,6 @@
-"""Marking one tensor: ``donate_buffer``, ``is_donated``, ``is_deleted``, and
-what marking becomes while dynamo traces it (a graph op).
-
-``donate_buffer`` is one native call in the common case (``C.try_mark``,
-its rules in csrc/marking/marking.cpp ``Classify``).  A refusal comes back
-here (``mark``): worded, or resolved by what only Python can do before
-asking again (settle a donated tensor's verdict, make a poisoned twin
-class, run the guards, warn once, judge who holds an alias).
-
-Under ``torch.compile(backend="openxla")`` marking emits
-``torch.ops.xla.dynamo_set_buffer_donor_`` (torch_xla's own way to donate
-from a compiled graph), so it causes no graph break; the rules of metadata
-(device, view, scalar) refuse what eager refuses, on the fake tensor, with
-eager's words; an intermediate (no input of the graph) is refused as
-pending.  The op is registered as a side effect: a donation whose result
-nothing reads is kept (_dynamo.py then leaves the mark for the next
-execution that takes the tensor).  Nothing here looks at a tensor's
-identity: dynamo would guard on it and compile a graph per step.
-
->>> check_tensor("donate_buffer", [torch.ones(1)])
-Traceback (most recent call last):
-TypeError: donate_buffer expects a torch.Tensor, got list. For the tensors of a list, ...
-"""
-import sys
+"""Marking one tensor: ``donate_buffer`` (one native call when it marks), the refusals only Python can
+word or resolve, ``is_donated``, ``is_deleted``, and the graph op marking becomes while dynamo traces
+it (docs/design.md, "The step's life" and "Where each rule lives")."""
 
 import torch
 from torch._dynamo.comptime import comptime
@@ -35,8 +14,8 @@ from . import _poison as poison
 from . import _xla_cpu as xla_cpu
 from ._native import C, Via, lock
 
-__all__ = ["donate_buffer", "is_donated", "is_deleted", "mark", "check_tensor",
-           "donate_in_graph", "refuse_unless_input", "is_donor_op", "RefusedWhileTracing"]
+__all__ = ["donate_buffer", "is_donated", "is_deleted", "refused", "mark", "refuse_unless_input",
+           "is_donor_op"]  # fmt: skip
 
 R = C.Refusal
 
@@ -44,47 +23,35 @@ donate_buffer = C.donate_buffer  # one native call when it marks
 
 
 def refused(tensor, refusal, file, line) -> None:
-    """``C.donate_buffer``'s refusal (the native call's one way into Python):
-    worded, or resolved and marked."""
+    """``C.donate_buffer``'s refusal (its one way into Python): worded, or resolved and marked."""
     check_tensor("donate_buffer", tensor)
     mark(tensor, (file, line))
 
 
+# What dynamo traces for donate_buffer and its mark: a graph op, no graph break.
 @torch.compiler.substitute_in_graph(C.donate_buffer, skip_signature_check=True)
 def _donate_buffer_in_graph(tensor) -> None:
-    """What dynamo traces for ``donate_buffer``: a graph op, no graph break."""
     donate_in_graph([tensor])
 
 
 @torch.compiler.substitute_in_graph(C.try_mark, skip_signature_check=True)
 def _try_mark_in_graph(tensor, via=Via.DONATE_BUFFER, where=1, held_ok=False, locked=False) -> int:
-    """What dynamo traces for ``donate_buffer``'s mark: a graph op, no graph
-    break."""
     donate_in_graph([tensor])
     return 0
 
 
 def is_donated(tensor: torch.Tensor) -> bool:
-    """True while ``tensor`` is marked and waiting for the next step.
+    """True while ``tensor`` is marked and waiting for the next execution that commits marks.
 
-    The tricky case: a mark is the plugin's until an execution commits it,
-    so torch_xla's own donor flag (``_get_buffer_donation``) stays False
-    while this says True.
+    The tricky case: a mark is the plugin's until an execution commits it, so torch_xla's own donor
+    flag (``_get_buffer_donation``) stays False while this says True.
 
-    >>> import torch, torch_xla
+    >>> import torch, torch_xla, torch_xla_donate
     >>> t = torch.ones(4, device=torch_xla.device()) * 2
-    >>> torch_xla.sync()
-    >>> donate_buffer(t); is_donated(t), torch_xla._XLAC._get_buffer_donation(t)
+    >>> torch_xla.sync(); donate_buffer(t); is_donated(t), torch_xla._XLAC._get_buffer_donation(t)
     (True, False)
-    >>> from torch_xla_donate import undonate
-    >>> undonate(t), is_donated(t)
+    >>> torch_xla_donate.undonate(t), is_donated(t)
     (True, False)
-
-    Args:
-      tensor: any torch.Tensor.
-
-    Returns:
-      Whether ``tensor`` is marked for the next execution that commits marks.
 
     Raises:
       TypeError: ``tensor`` is not a torch.Tensor.
@@ -94,55 +61,42 @@ def is_donated(tensor: torch.Tensor) -> bool:
 
 
 def is_deleted(tensor: torch.Tensor) -> bool:
-    """True if a step consumed ``tensor``'s buffer through donation.
+    """True if a step's output took ``tensor``'s buffer through donation (then any use of ``tensor``
+    raises ``DonatedBufferError``).
 
-    May wait for the device: right after ``sync(wait=False)`` whether XLA
-    took the buffer is not known until the step has been dispatched.  A
-    donation no output could take leaves the tensor as it was (``b``):
+    May wait for the device: right after ``sync(wait=False)`` whether XLA took the buffer is not known
+    until the step has been dispatched.  A donation no output could take leaves the tensor as it was
+    (``b``):
 
-    >>> import torch, torch_xla
-    >>> a = torch.ones(4, device=torch_xla.device()) * 2
-    >>> b = torch.ones(3, device=torch_xla.device()) * 2
-    >>> torch_xla.sync()
-    >>> donate_buffer(a); donate_buffer(b)
+    >>> import torch, torch_xla, torch_xla_donate, warnings
+    >>> a, b = torch.ones(4, device=torch_xla.device()) * 2, torch.ones(3, device=torch_xla.device()) * 2
+    >>> torch_xla.sync(); donate_buffer(a); donate_buffer(b)
     >>> new_a, new_b = a + 1, b.sum().reshape(1)  # no output of b's 12 bytes
-    >>> import warnings, torch_xla_donate
     >>> with warnings.catch_warnings():
     ...     warnings.simplefilter("ignore")  # b's UnusedDonationWarning
     ...     torch_xla.sync(); torch_xla_donate.settle()
     >>> is_deleted(a), is_deleted(b), b.cpu().tolist()
     (True, False, [2.0, 2.0, 2.0])
 
-    Args:
-      tensor: any torch.Tensor.
-
-    Returns:
-      Whether a step's output took ``tensor``'s buffer (then any use of
-      ``tensor`` raises ``DonatedBufferError``).
-
     Raises:
       TypeError: ``tensor`` is not a torch.Tensor.
     """
     check_tensor("is_deleted", tensor, None)
-    return poison.consumed(tensor)
+    return poison.is_poisoned(tensor) and poison.settled_consumed(tensor)
 
 
 def mark(tensor, where, via=Via.DONATE_BUFFER, in_tree=False) -> bool:
-    """Marks ``tensor`` blaming ``where`` (file, line), or raises the error
-    of its refusal.  False, nothing marked, when donation is switched off
-    (warned once) or, ``in_tree``, for a scalar (skipped quietly)."""
-    try:
-        return _mark(tensor, where, via, in_tree, locked=False)
-    except _Committing:
-        with lock:  # a commit on another thread must see the mark whole or not at all
-            return _mark(tensor, where, via, in_tree, locked=True)
+    """Marks ``tensor`` blaming ``where`` (file, line), or raises its refusal's error.  False, nothing
+    marked, when donation is off (warned once) or, ``in_tree``, for a scalar."""
+    marked = _mark(tensor, where, via, in_tree, locked=False)
+    if marked is None:  # a commit on another thread must see the mark whole or not at all
+        with lock:
+            marked = _mark(tensor, where, via, in_tree, locked=True)
+    return marked
 
 
-class _Committing(Exception):
-    """Another thread is inside a commit: mark with the lock held."""
-
-
-def _mark(tensor, where, via, in_tree, locked) -> bool:
+def _mark(tensor, where, via, in_tree, locked) -> bool | None:
+    """``mark``'s loop; None when another thread is inside a commit."""
     held_ok, settled, synced, done = False, False, False, set()
     while True:
         refusal = R(C.try_mark(tensor, via, where, held_ok, locked))
@@ -154,84 +108,73 @@ def _mark(tensor, where, via, in_tree, locked) -> bool:
         if refusal == R.ZERO_DIM and in_tree:
             return False
         if refusal == R.COMMITTING:
-            raise _Committing()
+            return None
         if refusal in (R.UNDECIDED, R.PENDING) and not synced and torch._is_functional_tensor(tensor):
-            # A functional wrapper with view updates not applied yet (also
-            # one ``_make_subclass`` made) reads as no plain device data:
-            # applied, as any torch_xla call on it would.
+            # A functional wrapper with view updates not applied yet (also one _make_subclass made)
+            # reads as no plain device data: applied, as any torch_xla call on it would.
             torch._sync(tensor)
             synced = True
             continue
         if refusal == R.HELD and not settled:
-            # A holder may be autograd's worker thread still releasing a
-            # finished backward: waited for first, so that the outcome
-            # never depends on timing.
+            # A holder may be autograd's worker thread still releasing a finished backward: waited
+            # for first, so that the outcome never depends on timing.
             holders.settle_autograd(tensor.device)
             settled = True
             continue
         if refusal in done:  # Python did its part and the rule still refuses
-            raise RuntimeError(f"torch_xla_donate: marking refused {messages.describe(tensor)} twice "
-                               f"({refusal.name}). Please report this.")
+            raise RuntimeError(
+                f"torch_xla_donate: marking refused {messages.describe(tensor)} twice ({refusal.name}). "
+                "Please report this."
+            )
         done.add(refusal)
         held_ok = _resolve(tensor, refusal) or held_ok
 
 
 def _resolve(tensor, refusal) -> bool:
-    """Does Python's part for ``refusal`` before marking asks again, or
-    raises its error.  True when the tensor's aliases may go with it."""
+    """Does Python's part for ``refusal`` or raises its error; True when the aliases may go with it."""
     if refusal == R.POISONED:
         poison.refuse_consumed([tensor])  # settles it: consumed raises, unused lifts the poison
     elif refusal == R.NEW_CLASS:
         poison.check_poisonable(tensor)  # makes and registers the twin, or raises
-    elif refusal == R.UNDECIDED:
-        if not guards.decide(tensor):
-            raise ValueError(messages.refusal(tensor, refusal))
+    elif refusal == R.UNDECIDED and guards.decide(tensor):
         config.refresh()
     elif refusal == R.WARN_FIRST:
         xla_cpu.warn_if_unprotected()
         config.refresh()
     elif refusal == R.HELD:
-        # Someone else holds its storage or TensorImpl: who, and may the
-        # donation take them down with it?  (The judgement the commit makes,
-        # _holders.py.)
+        # Who holds its storage or TensorImpl, and may the donation take them down with it (the
+        # commit's judgement, _holders.py)?
         with holders.scanning():
             blockers = holders.judge(tensor).blockers
         if blockers:
-            raise ValueError(messages.HELD.format(tensor=messages.describe(tensor),
-                                                  why="; ".join(blockers)))
+            why = "; ".join(blockers)
+            raise ValueError(messages.HELD.format(tensor=messages.describe(tensor), why=why))
         return True
-    else:
-        raise _error(tensor, refusal)
+    else:  # and UNDECIDED when the guards failed
+        error = TypeError if refusal in (R.NOT_TENSOR, R.WRAPPER) else ValueError
+        raise error(messages.refusal(tensor, refusal))
     return False
 
 
-def _error(tensor, refusal) -> Exception:
-    if refusal in (R.NOT_TENSOR, R.WRAPPER):
-        return TypeError(messages.refusal(tensor, refusal))
-    return ValueError(messages.refusal(tensor, refusal))
-
-
 def check_tensor(name, tensor, tree_form="donate(tree)") -> None:
-    """TypeError unless ``tensor`` is a tensor, pointing containers at the
-    call that takes trees (``tree_form=None``: a question about one tensor,
-    no hint)."""
+    """TypeError unless ``tensor`` is a tensor; a container is pointed at ``tree_form`` (None: no hint)."""
     if isinstance(tensor, torch.Tensor):
         return
     hint = ""
     items = tensor.values() if isinstance(tensor, dict) else tensor
-    if tree_form is None:
-        pass
-    elif isinstance(tensor, (torch.nn.Module, torch.optim.Optimizer)) or (
-        isinstance(tensor, (list, tuple, dict))
+    if tree_form is not None and (
+        isinstance(tensor, (torch.nn.Module, torch.optim.Optimizer))
+        or isinstance(tensor, (list, tuple, dict))
         and any(isinstance(x, (torch.Tensor, list, tuple, dict)) for x in items)
     ):
-        hint = (" For the tensors of a list, dict, module, optimizer or any pytree, "
-                f"use torch_xla_donate.{tree_form}.")
+        hint = (
+            " For the tensors of a list, dict, module, optimizer or any pytree, use "
+            f"torch_xla_donate.{tree_form}."
+        )
     raise TypeError(f"{name} expects a torch.Tensor, got {type(tensor).__name__}.{hint}")
 
 
 # -- While dynamo traces ----------------------------------------------------------------
-
 _DONOR_OP = torch.ops.xla.dynamo_set_buffer_donor_
 # Kept by dead-code elimination (dynamo's, AOT autograd's) although its
 # result may go unread: the donation is its effect.
@@ -240,34 +183,27 @@ torch.fx.node.has_side_effect(_DONOR_OP.default)
 
 
 def is_donor_op(node) -> bool:
-    """Whether the FX ``node`` calls ``dynamo_set_buffer_donor_``."""
     return node.op == "call_function" and node.target in (_DONOR_OP, _DONOR_OP.default)
 
 
 class RefusedWhileTracing(TorchRuntimeError, ValueError):
-    """A tensor a compiled function donates cannot be donated: eager's
-    ``ValueError``, raised while dynamo traces (a ``TorchRuntimeError`` so
-    that dynamo passes it on unchanged)."""
+    """Eager's ``ValueError``, raised while dynamo traces (a ``TorchRuntimeError``: passed on unchanged)."""
 
 
 def donate_in_graph(tensors) -> None:
-    """``donate_buffer`` of each of ``tensors`` while dynamo traces it: one
-    ``dynamo_set_buffer_donor_`` node per tensor, no call into the plugin; a
-    tensor that is no input of the graph is refused first."""
+    """``donate_buffer`` while dynamo traces: one graph op per tensor, each an input of the graph."""
     for t in tensors:
         refuse_unless_input(t, None)
         torch.ops.xla.dynamo_set_buffer_donor_(t, True)
 
 
 def refuse_unless_input(t, path) -> None:
-    """Eager's error for ``t`` (``path``: its name in a tree, None for
-    ``donate_buffer``) unless it is an input of the graph and no view."""
+    """Eager's error for ``t`` (``path``: its name in a tree) unless it is an input of the graph."""
     comptime(_judge)  # runs while dynamo traces; nothing at run time
 
 
 def _judge(ctx) -> None:
-    """At trace time: judges the locals ``t`` and ``path`` of
-    ``refuse_unless_input``."""
+    """At trace time: judges the locals ``t`` and ``path`` of ``refuse_unless_input``."""
     var = ctx.get_local("t")
     if not var.is_proxy():
         return  # not a tensor: the graph op itself says so
@@ -275,8 +211,7 @@ def _judge(ctx) -> None:
     if not isinstance(fake, torch.Tensor):
         return
     path = ctx.get_local("path").as_python_constant()
-    # The rules of metadata, native (csrc/marking/marking.cpp ClassifyMeta),
-    # on the fake tensor; a tree skips scalars.
+    # The rules of metadata (csrc/marking.cpp ClassifyMeta) on the fake tensor; a tree skips scalars.
     refusal = R(C.classify_meta(fake))
     if refusal == R.ZERO_DIM and path is not None:
         refusal = R.NONE

@@ -2,7 +2,6 @@
 picks for each feature, the import gate, and the outcomes it must report
 truthfully (a value torch_xla lost is never called kept)."""
 import doctest
-
 import inspect
 
 import pytest
@@ -12,8 +11,9 @@ from helpers import materialize, run_python
 from torch_xla.experimental import gradient_accumulation as ga
 
 import torch_xla_donate as tdx
+from torch_xla_donate import _C
+from torch_xla_donate import _commit as commit
 from torch_xla_donate import _native as _compat
-from torch_xla_donate import _hooks as executions
 
 
 def _release():
@@ -95,7 +95,7 @@ def test_a_value_a_failed_step_lost_is_reported_lost_never_kept(dev, monkeypatch
     tdx.donate_buffer(t)
     out = t * 2  # an output of t's size: the donation is consumed
     monkeypatch.setattr(torch_xla._XLAC, "_xla_step_marker",
-                        executions.barrier_trampoline(runs_then_fails))
+                        _C.Trampoline(runs_then_fails, commit.barrier_hook, commit.barrier_after))
     with pytest.raises(RuntimeError, match="simulated"):
         torch_xla.sync()
     monkeypatch.undo()

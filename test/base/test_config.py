@@ -64,8 +64,7 @@ def _assert_next_step_consumes(t):
 
 def test_configure_returns_the_previous_values_and_restores_them():
     before = tdx.configure()
-    assert before == {"strict": config.strict(), "enabled": config.enabled(),
-                      "auto": config.auto()}
+    assert before == {name: _C.switches()[name] for name in ("strict", "enabled", "auto")}
     flipped = {name: not value for name, value in before.items()}
     previous = tdx.configure(**flipped)
     assert previous == before

@@ -1,10 +1,11 @@
-"""_xla.read_excess (csrc/hooks/commit.cpp ``ExcessHolders``): which donors have
+"""_C.lazy_excess (csrc/hooks/commit.cpp ``ExcessHolders``): which donors have
 more buffer holders than the donors sharing their buffer account for,
 judged natively with no Python object per donor, kept in step with the
 Python reference below on the states test_lazy_reads.py builds."""
 import pytest
 from test_lazy_reads import _clean, _read_into_op, _replaced
 
+from torch_xla_donate import _C
 from torch_xla_donate import _xla as reads
 
 
@@ -64,7 +65,7 @@ EXCESS = {
 @pytest.mark.usefixtures("native_reads")
 def test_excess_is_the_python_reference(case, dev):
     tensors, keep = EXCESS[case](dev)
-    native = reads.read_excess(tensors)
+    native = _C.lazy_excess(tensors)
     assert native == _reference_excess(tensors), case
     if case.startswith(("clone read", "replaced")) and "both" not in case:
         assert native, "the extra holder was not seen"

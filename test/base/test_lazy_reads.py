@@ -36,7 +36,7 @@ def R(dev, native_reads):
     return types.SimpleNamespace(
         tensor_id=_C.lazy_tensor_id, is_pending=_C.lazy_is_pending,
         is_consumed=_C.lazy_is_consumed, buffer_key=reads.read_buffer_key,
-        owner_ids=reads.read_owner_ids, holders=reads.read_holders, facts=reads.read_facts)
+        owner_ids=_C.lazy_owner_ids, holders=reads.read_holders, facts=reads.read_facts)
 
 
 def _donated(dev):
@@ -184,7 +184,7 @@ def test_the_native_read_declines_what_it_cannot_read(make, dev, native_reads):
     assert _C.lazy_tensor_id(t) is None and _C.lazy_holders([t]) == [None]
     if t.device.type == "xla" and type(t) is torch.Tensor:
         # No plain device data: pending, for marking and the commit alike.
-        assert _C.pending_flags([t]) == [True] and reads.read_pending([t]) == [True]
+        assert _C.pending_flags([t]) == [True]
     else:
         with pytest.raises(TypeError, match="takes XLA tensors"):
             _C.pending_flags([t])
@@ -310,7 +310,7 @@ for t in (copy, pending):
     n = [_C.lazy_tensor_id(t), _C.lazy_is_pending(t)]
     assert n == [X._xla_get_tensor_id(t), X._check_tensor_need_materialization([t])[0]], n
 for t in (base, v, stale):  # torch_xla's own views (base is one now): no plain device data
-    assert _C.lazy_tensor_id(t) is None and reads.read_pending([t]) == [True]
+    assert _C.lazy_tensor_id(t) is None and _C.pending_flags([t]) == [True]
     assert X._check_tensor_need_materialization([t]) == [True]
 sync()
 assert reads.read_holders([base, copy]) == [None, None]  # torch_xla's views hold buffers unseen

@@ -35,7 +35,7 @@ def test_the_walk_counts_what_torch_xla_counts(walk, dev):
         assert before == xla.live_tensor_count()
         kept = [walk + i for i in range(3)]
         assert C.live_count() == before + 3 == xla.live_tensor_count()
-        ids = {row[0] for row in arena.live_tensors()}
+        ids = {row[0] for row in C.live_tensors()}
         assert {reads.tensor_id(t) for t in kept + [walk]} <= ids
         del kept
         assert C.live_count() == before
@@ -44,7 +44,7 @@ def test_the_walk_counts_what_torch_xla_counts(walk, dev):
 @pytest.mark.parametrize("copy", list(COPIES))
 def test_a_copy_made_since_the_barrier_is_found(walk, copy):
     c = COPIES[copy](walk)
-    found = arena.same_step_copies([walk]).get(0)
+    found = C.same_step_copies([walk]).get(0)
     assert reads.tensor_id(c) in found
 
 
@@ -59,14 +59,14 @@ READS = {
 @pytest.mark.parametrize("use", list(READS))
 def test_what_only_reads_the_donor_is_no_holder(walk, use):
     out = READS[use](walk)
-    assert arena.same_step_copies([walk]) == {}, out
+    assert C.same_step_copies([walk]) == {}, out
 
 
 def test_a_donor_that_is_itself_a_copy_finds_its_source(walk):
     c = walk.to(walk.device, copy=True)
-    assert reads.tensor_id(walk) in arena.same_step_copies([c])[0]
+    assert reads.tensor_id(walk) in C.same_step_copies([c])[0]
     # Donated together: neither holds the other's value against the step.
-    assert arena.same_step_copies([walk, c]) == {}
+    assert C.same_step_copies([walk, c]) == {}
 
 
 # An older tensor (one that got its own buffer at the last barrier) becomes a
@@ -80,7 +80,7 @@ def test_a_copy_into_an_older_tensor_is_found(walk):
     older = reads.tensor_id(x)
     x.copy_(walk)
     assert reads.tensor_id(x) == older  # the same XLA tensor, now reading walk's node
-    assert older in arena.same_step_copies([walk])[0]
+    assert older in C.same_step_copies([walk])[0]
 
 
 # Without functionalization (a process of its own): the same, end to end.
@@ -115,12 +115,12 @@ def test_after_the_barrier_a_copy_holds_a_buffer_of_its_own_kind(walk):
     c = walk.to(walk.device, copy=True)
     torch_xla.sync()
     # It now shares the buffer as a handle (holder counts see that), not as IR.
-    assert arena.same_step_copies([walk]) == {}
+    assert C.same_step_copies([walk]) == {}
     assert reads.read_buffer_key(c) == reads.read_buffer_key(walk)
 
 
 def test_an_unreadable_donor_is_none(walk):
-    assert arena.same_step_copies([walk, torch.ones(2), walk * 2]) == {1: None, 2: None}
+    assert C.same_step_copies([walk, torch.ones(2), walk * 2]) == {1: None, 2: None}
 
 
 _GUARD = """

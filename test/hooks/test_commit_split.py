@@ -40,7 +40,7 @@ class _Spy:
         entries = list(donors) + [e for e, _, _ in referred]
         if entries:  # a barrier with marks
             self.calls.append((len(donors), [split for _, split, _ in referred],
-                               [xla.donor_flag(e[0]) for e in entries]))
+                               [torch_xla._XLAC._get_buffer_donation(e[0]) for e in entries]))
         return step, donors, referred
 
 
@@ -162,7 +162,7 @@ def test_a_flag_torch_xla_refuses_drops_that_donor_alone(spy, dev, monkeypatch):
     with pytest.warns(DroppedDonationWarning, match="torch_xla refused"):
         torch_xla.sync(wait=True)
     tdx.settle()
-    assert not xla.donor_flag(refused)
+    assert not torch_xla._XLAC._get_buffer_donation(refused)
     assert not tdx.is_deleted(refused)
     assert [tdx.is_deleted(p) for i, p in enumerate(state) if i != 2] == [True] * 3
     del new

@@ -55,7 +55,7 @@ g = sharded((64, 48), ("data", None))
 settle()
 out["spec"] = torch_xla._XLAC._get_xla_sharding_spec(p)
 out["in_flight"] = _xla.has_pending_ir([p, g])
-out["use_count"] = _xla.storage_use_count(p)
+out["use_count"] = torch._C._storage_Use_Count(p.untyped_storage()._cdata)
 out["deleted_before"] = _xla.buffer_deleted(p)
 try:
     torch_xla._XLAC._unsafe_buffer_pointer(p)
