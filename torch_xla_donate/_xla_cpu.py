@@ -100,7 +100,7 @@ def protect_at_import() -> str:
     if decision == "add":
         os.environ["XLA_FLAGS"] = f"{xla_flags} {FLAG}=false".strip()
         _log.info("added %s=false to XLA_FLAGS: XLA:CPU's XNNPACK can compute with a "
-                  "reused buffer's old contents (see torch_xla_donate.xla_cpu; %s=keep "
+                  "reused buffer's old contents (docs/xnnpack.md; %s=keep "
                   "leaves XLA_FLAGS alone).", FLAG, KEEP_ENV)
         decision = "added"
     _state = decision
