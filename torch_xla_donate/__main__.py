@@ -1,8 +1,6 @@
-"""``python -m torch_xla_donate advise script.py [args...]``: runs the script
-with the advisor open around all of it (``tdx.advise()``), then prints the
-advice: the step inputs that were dead at its step barriers, largest first,
-with the annotation to add.  Nothing is donated.  Set ``XLA_IR_DEBUG=1`` for
-the lines."""
+"""``python -m torch_xla_donate advise script.py [args...]``: runs the script inside ``tdx.advise()``
+and prints the dead step inputs it found, largest first (``XLA_IR_DEBUG=1`` for the lines)."""
+
 import runpy
 import sys
 

@@ -1,26 +1,11 @@
-"""Automatic donation of dead step inputs, and the advisor.
+"""Dead step inputs: buffers only the step's pending IR holds, found natively at a barrier's
+commit (docs/design.md, "Where each rule lives").  With ``configure(auto=True)`` they are armed
+with the marked donors through a carrier tensor (docs/design.md, "Reading torch_xla"); an open
+``advise()`` records them instead, for the user to donate explicitly."""
 
-A functional update rebinds its names: the old tensors die, and their
-buffers live on only inside the step's pending IR (each ``xla::device_data``
-node holds one) until the barrier computed the new values.  At a step
-barrier's commit the dead inputs are found natively (csrc/auto/dead_inputs.h:
-a buffer nothing but its node holds; never one a live tensor holds, a copy
-made since the last barrier, a cached constant, the RNG seed or a 0-dim
-buffer) and, with ``configure(auto=True)``, armed with the marked donors
-through a carrier tensor and disarmed once the graph is built; an open
-``advise()`` records them instead.  Not available (a typed error from
-``advise()``, a warning once with ``auto=True``) once a guard switched
-donation off, under SPMD, or with more than one device per process.
-
-Example (``PJRT_DEVICE=CPU``)::
-
-    with tdx.advise() as advice:
-        xs = [x * 0.9 + 1 for x in xs]
-        torch_xla.sync()
-    print(advice)            # a table, largest first, with what to add
-"""
 import collections
 import dataclasses
+import math
 import re
 import threading
 import warnings
@@ -35,8 +20,8 @@ from ._messages import size
 from ._native import C
 from .errors import AutoDonationUnavailableError, AutoDonationUnavailableWarning
 
-__all__ = ["Input", "prepare", "unavailable", "require", "at_commit", "after_graph", "abandon", "settle",
-           "totals", "advisors", "Advice", "AdviceEntry", "advise"]
+__all__ = ["Input", "prepare", "unavailable", "at_commit", "after_graph", "abandon", "settle", "totals",
+           "advisors", "Advice", "AdviceEntry", "advise"]  # fmt: skip
 
 # XLA's element types, as the device-data node's xla_shape names them.
 _DTYPES = {
@@ -44,15 +29,14 @@ _DTYPES = {
     "s32": torch.int32, "s64": torch.int64, "f16": torch.float16, "bf16": torch.bfloat16,
     "f32": torch.float32, "f64": torch.float64, "c64": torch.complex64,
     "c128": torch.complex128, "u16": torch.uint16, "u32": torch.uint32, "u64": torch.uint64,
-}
+}  # fmt: skip
 _SHAPE = re.compile(r"xla_shape=(\w+)\[([\d,]*)\]")
 _LIBRARY = ("/torch/", "/torch_xla/", "/torch_xla_donate/", "<frozen")
 
 
 class Input(NamedTuple):
-    """One dead step input: ``line`` is ``file:line`` of the first read of
-    it in the step (torch's lazy IR metadata, recorded only with
-    ``XLA_IR_DEBUG=1``), else None."""
+    """One dead step input; ``line`` (``file:line`` of its first read) only with ``XLA_IR_DEBUG=1``."""
+
     shape: tuple
     dtype: torch.dtype | None
     nbytes: int
@@ -70,35 +54,28 @@ def _describe(node_text: str, frames) -> Input:
         return Input((), None, 0, None)
     dtype = _DTYPES.get(m.group(1))
     shape = tuple(int(d) for d in m.group(2).split(",") if d)
-    numel = 1
-    for d in shape:
-        numel *= d
-    nbytes = numel * (dtype.itemsize if dtype is not None else 0)
-    line = next((f"{file}:{n}" for file, _, n in frames
-                 if not any(part in file for part in _LIBRARY)), None)
+    nbytes = math.prod(shape) * (dtype.itemsize if dtype is not None else 0)
+    line = next((f"{file}:{n}" for file, _, n in frames if not any(part in file for part in _LIBRARY)), None)
     return Input(shape, dtype, nbytes, line)
 
 
 _lock = threading.Lock()
-_state = {"warned": False, "carriers": {}, "prepared": False}
-_totals = {"steps": 0, "armed": 0, "armed_bytes": 0, "reused": 0, "reused_bytes": 0,
-           "aliased": 0, "search_seconds": 0.0}
+_state = {"warned": False, "prepared": False}
+_totals = {"steps": 0, "armed": 0, "armed_bytes": 0, "reused": 0, "reused_bytes": 0, "aliased": 0,
+           "search_seconds": 0.0}  # fmt: skip
 _in_flight = []  # (DeadInputs, [Input]) armed at a commit, verdict not read yet
-_advised = []    # (DeadInputs, [Input], [Advice]) found while advising, not yet judged
-advisors = []    # the open ``advise()`` blocks (advice.py), innermost last
+_advised = []  # (DeadInputs, [Input], [Advice]) found while advising, not yet judged
+advisors = []  # the open ``advise()`` blocks, innermost last
 
 
 def prepare(force: bool = False) -> None:
-    """Outside any commit (a step barrier calls it before taking the lock,
-    ``advise()`` on entry): decides the native reads and the registry walk
-    on a sample tensor of the plugin's own (an upload: no graph), once, if
-    auto or an advisor is on and nothing decided them yet."""
+    """Outside any commit, once, if auto or an advisor is on: decides the guards on a sample
+    tensor of the plugin's own (an upload: no graph)."""
     wanted = force or advisors or config.auto()
     if _state["prepared"] or not wanted or C.lock.depth > 0:
         return
     _state["prepared"] = True
-    sample = torch.arange(4.0).to(xla.default_device())
-    guards.decide(sample)
+    guards.decide(torch.arange(4.0).to(xla.default_device()))
     config.refresh()
 
 
@@ -117,36 +94,22 @@ def unavailable() -> str | None:
     return None
 
 
-def require() -> None:
-    """Raises ``AutoDonationUnavailableError`` if dead inputs cannot be
-    found in this process (and runs the checks outside any commit)."""
-    prepare(force=True)
-    why = unavailable()
-    if why:
-        raise AutoDonationUnavailableError(
-            f"torch_xla_donate cannot find dead step inputs here: {why}. Donate explicitly "
-            "(tdx.donate_buffer / tdx.donate) instead.")
-
-
 def at_commit(device):
-    """In a step barrier's commit, after the marked donors were armed: finds
-    the dead inputs; open advisors record them (nothing is armed while one
-    is open); with ``auto`` they are armed.  Returns what ``after_graph``
-    takes, or None.  Costs nothing unless auto or an advisor is on."""
+    """In a barrier's commit, after the donors were armed: finds the dead inputs, for the open
+    advisors or, with ``auto``, armed.  Returns ``after_graph``'s token or None."""
     if not advisors and not config.auto():
         return None
     _settle_in_flight()
     if _advised:  # judged only once the execution that read them ran
-        xla.wait_device_ops()
-        _settle_advised()
+        settle()
     why = unavailable()
     if why == "native reads not decided yet":
         return None  # decided before the next barrier (prepare)
     if why:
         if not advisors and not _state["warned"]:
             _state["warned"] = True
-            warnings.warn(f"TORCH_XLA_DONATE_AUTO / configure(auto=True) does nothing: {why}",
-                          AutoDonationUnavailableWarning, stacklevel=2)
+            message = f"TORCH_XLA_DONATE_AUTO / configure(auto=True) does nothing: {why}"
+            warnings.warn(message, AutoDonationUnavailableWarning, stacklevel=2)
         return None
     found = C.find_dead_inputs(describe=bool(advisors))
     inputs = [_describe(text, frames) for text, frames in found.describe()]
@@ -157,9 +120,8 @@ def at_commit(device):
         _totals["search_seconds"] += found.seconds
         _totals["aliased"] += found.aliased
     if advisors:
-        # Judged after the execution: an input the step consumed without
-        # being armed was one torch_xla aliases itself (an in-place update
-        # under functionalization), nothing to advise.
+        # Judged after the execution: an input the step consumed without being armed was one
+        # torch_xla aliases itself (an in-place update under functionalization).
         with _lock:
             _advised.append((found, inputs, list(advisors)))
         return None
@@ -170,8 +132,7 @@ def at_commit(device):
 
 
 def after_graph(token) -> None:
-    """Once the execution's graph is built: disarm, and keep the buffers
-    until their verdict."""
+    """Once the execution's graph is built: disarm, and keep the buffers until their verdict."""
     if token is None:
         return
     found, inputs, device = token
@@ -217,8 +178,7 @@ def _settle_advised() -> None:
 
 
 def settle() -> None:
-    """Waits for the device and reads the verdicts of the armed dead inputs
-    and the advisors' findings (``torch_xla_donate.settle()``)."""
+    """Waits for the device, then judges the armed dead inputs and the advisors' findings."""
     if _in_flight or _advised:
         xla.wait_device_ops()
         _settle_in_flight()
@@ -230,8 +190,8 @@ def braces_safe(error) -> str:
 
 
 def totals() -> dict:
-    """steps, armed (count, bytes), reused (count, bytes), in flight,
-    aliased (dead inputs torch_xla reuses itself), search seconds."""
+    """steps, armed (count, bytes), reused (count, bytes), in flight, aliased (dead inputs
+    torch_xla reuses itself), search seconds."""
     with _lock:
         out = dict(_totals)
         out["in_flight"] = sum(len(i) for _, i in _in_flight)
@@ -239,22 +199,20 @@ def totals() -> dict:
 
 
 def describe_totals() -> str:
-    """The summary's line, '' when nothing was
-    armed."""
+    """The summary's line; '' when nothing was armed."""
     t = totals()
     if not t["armed"] and not t["in_flight"]:
         return ""
-    text = (f"{t['armed']} dead input(s) ({size(t['armed_bytes'])}) in {t['steps']} step(s), "
-            f"reused {t['reused']} ({size(t['reused_bytes'])})")
+    text = f"{t['armed']} dead input(s) ({size(t['armed_bytes'])}) in {t['steps']} step(s), "
+    text += f"reused {t['reused']} ({size(t['reused_bytes'])})"
     return text + (f", in flight {t['in_flight']}" if t["in_flight"] else "")
 
 
-# -- The advisor ---------------------------------------------------------------------
-
 @dataclasses.dataclass(frozen=True)
 class AdviceEntry:
-    """Dead inputs of one shape, dtype and first-read line: ``count`` of
-    them in one step (the most seen), ``bytes`` in all."""
+    """Dead inputs of one shape, dtype and first-read line: ``count`` of them in one step (the
+    most seen), ``bytes`` in all."""
+
     shape: tuple
     dtype: torch.dtype
     count: int
@@ -268,9 +226,8 @@ class AdviceEntry:
 
 
 class Advice:
-    """What ``advise()`` recorded: ``steps`` barriers seen, ``entries``
-    (``AdviceEntry``, largest first) and ``bytes`` (the largest total a
-    single step could have reused)."""
+    """What ``advise()`` recorded: ``steps`` barriers seen, ``entries`` (largest first) and
+    ``bytes`` (the most a single step could have reused).  Each read waits for open findings."""
 
     def __init__(self):
         self._steps = 0
@@ -281,16 +238,10 @@ class Advice:
     def _record(self, inputs) -> None:
         self._steps += 1
         self._bytes = max(self._bytes, sum(i.nbytes for i in inputs))
-        step = collections.Counter()
-        for i in inputs:
-            key = (i.shape, i.dtype, i.line)
-            step[key] += 1
-            self._size[key] = i.nbytes
-        for key, n in step.items():
-            self._most[key] = max(self._most[key], n)
+        keys = [(i.shape, i.dtype, i.line) for i in inputs]
+        self._size.update(zip(keys, (i.nbytes for i in inputs)))
+        self._most |= collections.Counter(keys)  # | keeps the larger count of each key
 
-    # A step's findings are judged once its execution ran (auto.settle):
-    # each read below waits for the device if one is still open.
     @property
     def steps(self) -> int:
         settle()
@@ -304,24 +255,24 @@ class Advice:
     @property
     def entries(self) -> list:
         settle()
-        out = [AdviceEntry(shape, dtype, n, n * self._size[(shape, dtype, line)], line)
-               for (shape, dtype, line), n in self._most.items()]
+        out = [
+            AdviceEntry(shape, dtype, n, n * self._size[(shape, dtype, line)], line)
+            for (shape, dtype, line), n in self._most.items()
+        ]
         return sorted(out, key=lambda e: (-e.bytes, str(e.line), e.shape))
 
     def __str__(self) -> str:
-        entries = self.entries
-        head = (f"torch_xla_donate advice: {self.steps} step(s); a step could reuse "
-                f"{size(self.bytes)} of dead inputs")
+        entries, nbytes = self.entries, size(self.bytes)
+        head = f"torch_xla_donate advice: {self.steps} step(s); a step could reuse {nbytes} of dead inputs"
         if not entries:
             return head + ": nothing to donate."
         rows = [("bytes", "count", "shape", "dtype", "first read at", "add")]
-        rows += [(size(e.bytes), str(e.count), str(list(e.shape)),
-                  str(e.dtype).removeprefix("torch."), e.line or "?", e.annotation)
-                 for e in entries]
+        for e in entries:
+            dtype = str(e.dtype).removeprefix("torch.")
+            rows.append((size(e.bytes), str(e.count), str(list(e.shape)), dtype, e.line or "?", e.annotation))
         widths = [max(len(r[c]) for r in rows) for c in range(5)]
         lines = [head + ":"]
-        lines += ["  " + "  ".join(cell.ljust(w) for cell, w in zip(r, widths)) + "  " + r[5]
-                  for r in rows]
+        lines += ["  " + "  ".join(cell.ljust(w) for cell, w in zip(r, widths)) + "  " + r[5] for r in rows]
         if any(e.line is None for e in entries):
             lines.append("  (lines: set XLA_IR_DEBUG=1 before torch_xla starts)")
         return "\n".join(lines)
@@ -331,16 +282,18 @@ class Advice:
 
 
 class advise:
-    """``with tdx.advise() as advice:`` records, at every step barrier in
-    the block, the step inputs nothing else holds (never donating them).
-
-    Raises:
-      AutoDonationUnavailableError: dead inputs cannot be found in this
-        process (native reads off, no registry, SPMD, several devices).
-    """
+    """``with tdx.advise() as advice:`` records the step inputs nothing else holds at every
+    barrier in the block, donating none.  Raises ``AutoDonationUnavailableError`` where they
+    cannot be found (native reads off, no registry, SPMD, several devices)."""
 
     def __enter__(self) -> Advice:
-        require()
+        prepare(force=True)  # the checks, outside any commit
+        why = unavailable()
+        if why:
+            raise AutoDonationUnavailableError(
+                f"torch_xla_donate cannot find dead step inputs here: {why}. Donate explicitly "
+                "(tdx.donate_buffer / tdx.donate) instead."
+            )
         self.advice = Advice()
         advisors.append(self.advice)
         return self.advice

@@ -1,25 +1,11 @@
-"""What donation did: a report per step, a summary, a log line per step and
-torch_xla counters, all from the native ledger.
+"""What donation did, from the native ledger: a report per step, a summary, torch_xla counters
+(``COUNTERS``, pushed when someone reads them) and, with ``TORCH_XLA_DONATE_LOG=1``, a line per
+step on stderr once all its verdicts are in.  A verdict still in flight is reported as such.
 
-* ``last_step_report()`` and ``summary()`` return small frozen dataclasses
-  whose ``str()`` reads well; a step whose verdicts are still in flight
-  (after ``sync(wait=False)``) says so, never as if its donations were kept;
-* ``TORCH_XLA_DONATE_LOG=1`` prints one line per step to stderr once all of
-  its verdicts are in;
-* torch_xla's own metrics show the counters in ``COUNTERS``
-  (``DonatedBuffersReused``, ...), pushed when someone reads them.
-
-The words: *reused* (the tensor is poisoned, or freed if the user dropped
-it), *unused* (value kept, warned), *updated in place* (an output, no
-donor), *dropped* (a holder appeared since marking), *failed* (the step
-failed or donation was switched off; value kept), *lost* (the step failed
-and torch_xla lost the buffer), *in flight*, and *skipped (on CPU)*, the
-optimizer counters ``donate(optimizer)`` left out.
-
->>> import torch_xla_donate as tdx
->>> tdx.last_step_report() is None or isinstance(tdx.last_step_report(), StepReport)
-True
+>>> print(StepReport(7, 1, 1024, 0, 0, 0, 0, (), 0, 0, 0, 0, 0, 0, in_flight=1))  # sync(wait=False)
+step 7: donated 1 (1.0 KiB): reused 0 (0 B), unused 0, updated in place 0, dropped 0, failed 0, in flight 1
 """
+
 import dataclasses
 import os
 import sys
@@ -37,9 +23,12 @@ from ._native import C
 
 __all__ = ["StepReport", "Summary", "last_step_report", "summary", "metrics_report", "COUNTERS"]
 
+
 @dataclasses.dataclass(frozen=True)
 class StepReport:
-    """What one step's donations became (``step=None``: totals of all steps)."""
+    """What one step's donations became (``step=None``: totals of all steps).  *dropped*: a
+    holder appeared since marking; *failed*: the step failed or donation was off (values kept);
+    *lost*: the step failed and torch_xla lost the buffer."""
 
     step: int | None
     donated: int
@@ -61,43 +50,22 @@ class StepReport:
 
     @property
     def poisoned(self) -> int:
-        """Tensors that now refuse every use: exactly the reused ones (those
-        the user had dropped before the step are freed instead: nobody can
-        use them).  An in-flight donation is poisoned provisionally until it
-        is judged."""
+        """Tensors that now refuse every use: the reused ones (those the user had dropped are
+        freed instead).  An in-flight donation is poisoned provisionally."""
         return self.reused
 
     @property
     def settled(self) -> bool:
-        """True once every donation of the step has its verdict."""
         return self.in_flight == 0
 
     @classmethod
     def _from_stats(cls, stats: dict, step=...) -> "StepReport":
-        donated = stats["donated"]
-        judged = (stats["reused"] + stats["unused"] + stats["updated_in_place"]
-                  + stats["dropped"] + stats["failed"] + stats["lost"])
-        return cls(
-            step=stats["step"] if step is ... else step,
-            donated=donated,
-            donated_bytes=stats["donated_bytes"],
-            reused=stats["reused"],
-            reused_bytes=stats["reused_bytes"],
-            unused=stats["unused"],
-            unused_bytes=stats["unused_bytes"],
-            unused_shapes=tuple(stats["unused_shapes"]),
-            updated_in_place=stats["updated_in_place"],
-            updated_in_place_bytes=stats["updated_in_place_bytes"],
-            dropped=stats["dropped"],
-            dropped_bytes=stats["dropped_bytes"],
-            failed=stats["failed"],
-            failed_bytes=stats["failed_bytes"],
-            # The ledger counts open verdicts per step; for totals, every
-            # donation without a verdict yet.
-            in_flight=stats["in_flight"] if step is ... else donated - judged,
-            lost=stats["lost"],
-            lost_bytes=stats["lost_bytes"],
-        )
+        fields = {f.name: stats.get(f.name) for f in dataclasses.fields(cls)}  # the ledger's names
+        fields["unused_shapes"] = tuple(stats["unused_shapes"])
+        if step is not ...:  # totals: every donation without a verdict yet is in flight
+            judged = ("reused", "unused", "updated_in_place", "dropped", "failed", "lost")
+            fields.update(step=step, in_flight=stats["donated"] - sum(stats[v] for v in judged))
+        return cls(**fields)
 
     def __str__(self) -> str:
         unused = f"unused {self.unused}"
@@ -125,21 +93,18 @@ class StepReport:
 
 @dataclasses.dataclass(frozen=True)
 class Summary:
-    """Totals over every step since import (or ``C.reset()``), and the
-    reports of the last ``C.HISTORY_STEPS`` steps that donated."""
+    """Totals over every step since import (or ``C.reset()``), and the reports of the last
+    ``C.HISTORY_STEPS`` steps that donated."""
 
     steps: int
     totals: StepReport
     history: tuple[StepReport, ...]
     skipped_on_cpu: int = 0  # optimizer counters on the CPU donate() left out
-    # The CPU backend's XNNPACK guard (_xla_cpu.py), in words.
-    cpu_guard: str = ""
-    # The guards (_guards.py): each says how it passed, or "off (<why>)".
-    reads: str = ""
+    cpu_guard: str = ""  # the XNNPACK guard (_xla_cpu.py), in words
+    reads: str = ""  # the guards (_guards.py): how each passed, or "off (<why>)"
     live_tensors: str = ""
     poisoning: str = ""
-    # Automatic donation of dead step inputs (_auto.py), in words; "" if none.
-    auto: str = ""
+    auto: str = ""  # automatic donation of dead step inputs (_auto.py), in words; "" if none
 
     @property
     def unused_shapes(self) -> Counter:
@@ -159,16 +124,17 @@ class Summary:
         if t.in_flight:
             rows.append(("in flight", t.in_flight, None))
         lines = [
-            f"torch_xla_donate: {self.steps} step(s) donated {t.donated} buffer(s) "
-            f"({size(t.donated_bytes)})"
+            f"torch_xla_donate: {self.steps} step(s) donated {t.donated} buffer(s) ({size(t.donated_bytes)})"
         ]
         lines += [
             f"  {name:<18} {count:>8}" + (f"  {size(nbytes)}" if nbytes is not None else "")
             for name, count, nbytes in rows
         ]
         if self.skipped_on_cpu:
-            lines.append(f"  {'skipped (on CPU)':<18} {self.skipped_on_cpu:>8}  not donated: "
-                         "optimizer counters torch.optim keeps on the CPU (state['step'])")
+            lines.append(
+                f"  {'skipped (on CPU)':<18} {self.skipped_on_cpu:>8}  not donated: "
+                "optimizer counters torch.optim keeps on the CPU (state['step'])"
+            )
         if self.unused_shapes:
             common = ", ".join(f"{s} x{n}" for s, n in self.unused_shapes.most_common(5))
             lines.append(f"  unused shapes (last {len(self.history)} steps): {common}")
@@ -190,8 +156,8 @@ class Summary:
 
 LOG_ENV = "TORCH_XLA_DONATE_LOG"
 
-# torch_xla counter name -> ledger totals field.  One prefix, so that they
-# sort together in torch_xla's reports.
+# torch_xla counter name -> ledger totals field.  One prefix, so that they sort together in
+# torch_xla's reports.
 COUNTERS = {
     "DonatedBuffers": "donated",
     "DonatedBufferBytes": "donated_bytes",
@@ -207,29 +173,14 @@ COUNTERS = {
 
 
 def last_step_report(step: int | None = None) -> StepReport | None:
-    """The report of the newest step that donated, or of ``step``.
-
-    Args:
-      step: a step number (``StepReport.step``); None: the newest.
-
-    Returns:
-      The step's ``StepReport``; None before any step donated, or when
-      ``step`` donated nothing or is older than the history window.  Verdicts
-      still in flight are reported as such: call ``torch_xla_donate.settle()``
-      first to wait for them.
-    """
+    """The report of the newest step that donated, or of ``step``; None if there is none in
+    the history.  Verdicts still in flight say so: ``settle()`` first waits for them."""
     stats = C.step_stats(-1 if step is None else step)
     return None if stats is None else StepReport._from_stats(stats)
 
 
 def summary() -> Summary:
-    """Totals across steps, plus the reports of the steps still in history.
-
-    Returns:
-      A ``Summary``: ``steps``, ``totals`` (a ``StepReport`` without a step),
-      ``history`` (the last ``HISTORY_STEPS`` steps that donated) and
-      ``skipped_on_cpu`` (optimizer counters ``donate`` left out).
-    """
+    """Totals across steps, the reports of the steps still in history, and the guards' states."""
     totals = C.totals()
     return Summary(
         steps=totals["steps"],
@@ -248,8 +199,7 @@ _skipped_on_cpu = 0
 
 
 def note_skipped_on_cpu(count: int) -> None:
-    """Counts ``count`` optimizer state tensors on the CPU that ``donate``
-    left out (torch.optim's ``state["step"]``)."""
+    """Counts optimizer state tensors on the CPU that ``donate`` left out (``state["step"]``)."""
     global _skipped_on_cpu
     if count:
         with _lock:
@@ -257,33 +207,20 @@ def note_skipped_on_cpu(count: int) -> None:
 
 
 def metrics_report() -> str:
-    """The plugin's counters in the format of
-    ``torch_xla.debug.metrics.short_metrics_report()``.
-
-    Returns:
-      One ``Counter: name`` / ``Value: n`` pair per entry of ``COUNTERS``,
-      then ``Setting: name`` / ``Value: ...`` pairs: the guards
-      (``TensorReads``, ``LiveTensorRegistry``, ``Poisoning``: how each
-      passed, or "off (<why>)") and on XLA:CPU ``XlaCpuXnnpackGuard``, the
-      XNNPACK guard's state and what it means.
-    """
+    """The plugin's counters (``COUNTERS``) and guards' states, in the format of
+    ``torch_xla.debug.metrics.short_metrics_report()``."""
     totals = C.totals()
     text = "".join(f"Counter: {name}\n  Value: {totals[field]}\n" for name, field in COUNTERS.items())
-    text += f"Setting: TensorReads\n  Value: {guards.state('reads')}\n"
-    text += f"Setting: LiveTensorRegistry\n  Value: {guards.state('walk')}\n"
-    text += f"Setting: Poisoning\n  Value: {guards.state('poisoning')}\n"
+    for name, guard in (("TensorReads", "reads"), ("LiveTensorRegistry", "walk"), ("Poisoning", "poisoning")):
+        text += f"Setting: {name}\n  Value: {guards.state(guard)}\n"
     if xla_cpu.state() != "none":
         text += f"Setting: XlaCpuXnnpackGuard\n  Value: {xla_cpu.state()} ({xla_cpu.describe()})\n"
     return text
 
 
-# -- Listening to the step hook ------------------------------------------------
-#
-# The step hook calls ``_on_settled`` whenever verdicts may have changed
-# (after every barrier, and when a use or settle() judges a
-# donation); it writes the per-step log.  The ledger's generation number tells
-# in one native call whether anything happened at all.  torch_xla's counters
-# are pushed only when read (``_push_before_reading``).
+# -- Listening: ``_on_settled`` runs whenever verdicts may have changed and writes the per-step
+# log (the ledger's generation says in one native call whether anything happened);
+# torch_xla's counters are pushed only when read (``_push_before_reading``).
 
 _lock = threading.Lock()
 _seen_generation = -1
@@ -310,41 +247,29 @@ def _on_settled() -> None:
 
 
 def _push_before_reading() -> None:
-    """Runs before torch_xla's metric readers (``counter_value``,
-    ``metrics_report``, ...): the counters are pushed when someone looks.
-
-    Not after every step: torch_xla 2.9's ``_xla_increment_counter`` allocates
-    a new ``torch::lazy::Counter`` on every call and never frees it (about
-    200 bytes), so pushing per step grew a long run's memory without bound.
-    """
+    """Adds what happened since the last push to torch_xla's counters.  Not per step: torch_xla
+    2.9's ``_xla_increment_counter`` leaks a ``torch::lazy::Counter`` (~200 bytes) per call."""
+    global _counters_ok
     try:
         with _lock:
-            _push_counters()
+            if not _counters_ok:
+                return
+            totals = C.totals()
+            for name, field in COUNTERS.items():
+                value = totals[field]
+                delta = value - _pushed.get(name, 0)
+                if delta < 0:  # the ledger was reset: count again from there
+                    delta = value
+                if delta and not xla.increment_counter(name, delta):
+                    _counters_ok = False
+                    return
+                _pushed[name] = value
     except Exception as error:  # a report must never break a metrics read
         warnings.warn(f"torch_xla_donate.report failed: {error!r}", RuntimeWarning, stacklevel=2)
 
 
-def _push_counters() -> None:
-    """Adds what happened since the last push to torch_xla's counters."""
-    global _counters_ok
-    if not _counters_ok:
-        return
-    totals = C.totals()
-    for name, field in COUNTERS.items():
-        value = totals[field]
-        delta = value - _pushed.get(name, 0)
-        if delta < 0:  # the ledger was reset: count again from there
-            delta = value
-        if delta:
-            if not xla.increment_counter(name, delta):
-                _counters_ok = False
-                return
-        _pushed[name] = value
-
-
 def _log_settled_steps() -> None:
-    """Writes one line per step whose verdicts are all in, once, in step order
-    as far as they settle in order."""
+    """A line per step once its verdicts are all in, in step order as far as they settle so."""
     global _log_from
     stream = _log_stream or sys.stderr
     first_open = None
@@ -366,8 +291,7 @@ def _log_settled_steps() -> None:
 
 
 def _configure_log(enabled: bool, stream=None) -> None:
-    """Switches the per-step log on or off (tests; ``TORCH_XLA_DONATE_LOG``
-    is the user's switch), starting from the next step."""
+    """Switches the per-step log on or off from the next step (tests; users set ``LOG_ENV``)."""
     global _log_enabled, _log_stream, _log_from
     with _lock:
         _log_enabled, _log_stream = enabled, stream

@@ -9,9 +9,8 @@ import torch_xla.debug.metrics as met
 from helpers import buffer_ptr, materialize, run_python
 
 import torch_xla_donate as tdx
-from torch_xla_donate import _C
-from torch_xla_donate import _hooks as executions
-from torch_xla_donate import report
+from torch_xla_donate import _C, report
+from torch_xla_donate import _commit as commit
 
 
 def _update_with_a_lonely_donation(dev, wait=True):
@@ -82,7 +81,7 @@ def test_donations_of_a_failed_step_count_as_failed(dev, monkeypatch):
         raise RuntimeError("step failed (simulated)")
 
     monkeypatch.setattr(torch_xla._XLAC, "_xla_step_marker",
-                        executions.barrier_trampoline(failing_barrier))
+                        _C.Trampoline(failing_barrier, commit.barrier_hook, commit.barrier_after))
     with pytest.raises(RuntimeError, match="simulated"):
         torch_xla.sync(wait=True)
     monkeypatch.undo()
