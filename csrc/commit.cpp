@@ -52,6 +52,8 @@ void Screen(const std::vector<PyObject*>& entries, std::vector<LazyFacts>& facts
   if (!walked) throw std::runtime_error("torch_xla's live-tensor registry cannot be walked");
   std::vector<size_t> counted;
   std::vector<LazyFacts> counted_facts;
+  counted.reserve(n);
+  counted_facts.reserve(n);
   for (size_t i = 0; i < n; ++i) {
     if (!read[i])
       out->Refer(entries[i], Split::UNREAD, py::none());
@@ -83,6 +85,7 @@ void Screen(const std::vector<PyObject*>& entries, std::vector<LazyFacts>& facts
 py::tuple Split_(py::object only) {
   RequireBound();
   std::vector<PyObject*> keys;
+  if (!only.is_none()) keys.reserve(py::len(only));
   if (!only.is_none())
     for (auto t : only) keys.push_back(t.ptr());
   std::vector<py::object> tensors;  // before the records: let go of last
@@ -93,6 +96,8 @@ py::tuple Split_(py::object only) {
   py::list entries;  // keeps the candidates' entries alive
   std::vector<PyObject*> candidates;
   std::vector<LazyFacts> facts;
+  candidates.reserve(tensors.size());
+  facts.reserve(tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) {
     PyObject* t = tensors[i].ptr();
     Record* record = records[i].get();
@@ -209,6 +214,7 @@ py::tuple SettleEntries(py::list entries, bool certain) {
   RequireBound();
   py::list unknown, unused;
   std::vector<Record*> reused;
+  reused.reserve(py::len(entries));
   struct SettleReused {  // also when a read raises
     std::vector<Record*>* records;
     ~SettleReused() { GlobalLedger().SettleAll(*records, Verdict::REUSED); }

@@ -19,7 +19,64 @@ std::string Record::ShapeString() const {
   return s + "]";
 }
 
-RecordPtr NewRecord() { return std::make_shared<Record>(); }
+namespace {
+// Records (with their shared_ptr's control block) come from a free list: a
+// step marks and settles hundreds, more than malloc's per-thread cache
+// keeps, and malloc's slower bins cost about 400 instructions a record
+// (benchmarks/README.md, "Native optimizations").  Bounded; never freed.
+struct RecordBlocks {
+  std::mutex mu;
+  std::vector<void*> free;
+  size_t size = 0;  // the one block size allocate_shared asks for
+};
+RecordBlocks& Blocks() {
+  static auto* blocks = [] {
+    auto* b = new RecordBlocks();
+    b->free.reserve(4096);
+    return b;
+  }();
+  return *blocks;
+}
+
+template <class T>
+struct RecordAllocator {
+  using value_type = T;
+  RecordAllocator() = default;
+  template <class U>
+  RecordAllocator(const RecordAllocator<U>&) {}
+  T* allocate(size_t n) {
+    RecordBlocks& b = Blocks();
+    const size_t bytes = n * sizeof(T);
+    {
+      std::lock_guard<std::mutex> lock(b.mu);
+      if (b.size == 0) b.size = bytes;
+      if (bytes == b.size && !b.free.empty()) {
+        void* p = b.free.back();
+        b.free.pop_back();
+        return static_cast<T*>(p);
+      }
+    }
+    return static_cast<T*>(::operator new(bytes));
+  }
+  void deallocate(T* p, size_t n) {
+    RecordBlocks& b = Blocks();
+    {
+      std::lock_guard<std::mutex> lock(b.mu);
+      if (n * sizeof(T) == b.size && b.free.size() < 4096) {
+        b.free.push_back(p);
+        return;
+      }
+    }
+    ::operator delete(p);
+  }
+  template <class U>
+  bool operator==(const RecordAllocator<U>&) const { return true; }
+  template <class U>
+  bool operator!=(const RecordAllocator<U>&) const { return false; }
+};
+}  // namespace
+
+RecordPtr NewRecord() { return std::allocate_shared<Record>(RecordAllocator<Record>()); }
 
 bool Ledger::Mark(py::object tensor, RecordPtr record) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -83,6 +140,7 @@ int64_t Ledger::BeginStep(std::vector<py::object>* tensors, std::vector<RecordPt
     step = ++step_;
     if (only == nullptr) {
       taken.swap(marks_);
+      marks_.reserve(taken.size());  // the next step marks as many: one block, no regrowth
       index_.clear();
     } else {
       for (PyObject* key : *only) {
@@ -115,6 +173,8 @@ int64_t Ledger::BeginStep(std::vector<py::object>* tensors, std::vector<RecordPt
       if (history_.size() > kHistorySteps) history_.pop_front();
     }
   }
+  tensors->reserve(taken.size());
+  records->reserve(taken.size());
   for (Slot& slot : taken) {
     if (!slot.record) continue;
     tensors->push_back(std::move(slot.tensor));
@@ -155,6 +215,7 @@ void Ledger::Settle(Record* record, Verdict verdict) { SettleAll({record}, verdi
 
 void Ledger::SettleAll(const std::vector<Record*>& records, Verdict verdict) {
   std::vector<std::unique_ptr<void, void (*)(void*)>> held;  // let go after the lock
+  held.reserve(records.size());
   std::lock_guard<std::mutex> lock(mu_);
   for (Record* record : records) {
     if (record->verdict != Verdict::IN_FLIGHT) continue;  // settled once only

@@ -95,6 +95,8 @@ bool SameStepCopies(const std::vector<DonorKey>& donors, const std::vector<int64
   using Key = std::pair<uintptr_t, size_t>;  // (node or buffer, donor)
   std::vector<Key> nodes, buffers, borrowed;  // borrowed: match live handles too
   std::vector<int64_t> ids(skip);  // donated together, or skipped
+  for (auto* k : {&nodes, &buffers, &borrowed}) k->reserve(donors.size());
+  ids.reserve(skip.size() + donors.size());
   for (size_t i = 0; i < donors.size(); ++i) {
     const DonorKey& d = donors[i];
     if (d.buffer == 0) continue;

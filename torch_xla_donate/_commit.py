@@ -1,23 +1,13 @@
-"""Committing marks to an execution: a step barrier (``barrier_before`` and
-``barrier_after``, the two halves of its trampoline) and a compiled call
-(_dynamo.py) run the same stages (docs/design.md, "The step's life"):
-
-1. ``begin_and_decide``: ``C.commit`` takes the marks into a new step and
-   judges each (csrc/hooks/commit.h, the rules in one function); Python
-   judges what it referred back (aliases, a moment's holders, copies) and
-   applies the switches;
-2. ``arm``: torch_xla's donor flag on each donor's buffer (a compiled call
-   arms its own way, _dynamo.py);
-3. torch_xla builds its graph and runs it;
-4. ``finish`` (poison, verdicts in flight) or ``fail`` (values kept).
-
-The user's step must run whatever the plugin's checks do: a check that
-raises drops the step's marks (``undecided``: values kept, a warning says
-why), and warnings are held back (messages.Notices) until the commit is
-whole, so a filter that turns them into errors raises after the step.
+"""The commit's stages, run by a step barrier (``barrier_before`` and
+``barrier_after``, the halves of its trampoline) and by a compiled call
+(_dynamo.py): begin and decide, arm, then finish or fail (docs/design.md,
+"The step's life").  A check of the plugin that raises never stops the
+user's step: the marks are dropped, values kept (``undecided``).
 """
 import sys
 import threading
+from itertools import repeat
+from operator import itemgetter
 
 from . import _auto as auto
 from . import _config as config
@@ -35,18 +25,12 @@ __all__ = ["barrier_hook", "barrier_before", "barrier_after", "begin_and_decide"
            "BLOCK_PROLOGUE", "BLOCK_BODY", "BLOCK_EXIT", "BLOCK_FAILED", "COMPILED_CALL"]
 
 S = C.Split
+_tensor_of = itemgetter(0)
 
 
-# -- What a barrier commits ----------------------------------------------------------
-#
-# A step block (``torch_xla.compile``/``step()``) starts with a flush that
-# commits nothing (the marks made before it are meant for its graph) and
-# ends with the sync that commits them (abandoned if its body raised); the
-# syncs inside a compiled call commit nothing (_dynamo.py).  _hooks.py keeps
-# this thread-local stack.
-
-# What the calling thread is inside of, innermost last: decides what its
-# barriers commit.
+# What the calling thread is inside of, innermost last (_hooks.py keeps it):
+# a step block's first flush commits nothing, its closing sync commits the
+# marks (abandoned if its body raised); syncs in a compiled call commit nothing.
 BLOCK_PROLOGUE = "block prologue"  # the flush a step block starts with
 BLOCK_BODY = "block body"
 BLOCK_EXIT = "block exit"          # the sync that ends a step block
@@ -99,8 +83,7 @@ def barrier_hook(*args, **kwargs):
 
 
 class _Commit:
-    """What ``before`` hands ``after``: the barrier's device, step, the
-    armed donors, and the warnings held back until the commit is whole."""
+    """What ``before`` hands ``after``; warnings wait until the commit is whole."""
 
     __slots__ = ("device", "step", "donors", "wait", "notices", "auto")
 
@@ -115,12 +98,8 @@ _FLUSH = object()  # a barrier that commits nothing
 
 def barrier_before(device="", devices=(), wait=True, reset_scope=True, *, commits=True,
                    abandon=False):
-    """The first half of a step barrier (``_xla_step_marker``'s arguments).
-
-    ``commits=False``: a flush that leaves the marks as they are.
-    ``abandon=True``: the sync that ends a step block whose body raised: its
-    marks are committed and abandoned (STEP_FAILED).
-    """
+    """The first half of a step barrier (``_xla_step_marker``'s arguments);
+    ``commits=False``: a flush; ``abandon``: marks settle STEP_FAILED."""
     if commits:
         auto.prepare()  # once, outside the lock
     lock.acquire()
@@ -131,12 +110,9 @@ def barrier_before(device="", devices=(), wait=True, reset_scope=True, *, commit
         if not commits:
             return _FLUSH
         if xla.local_device_count() == 1:
-            # Earlier steps' donors the loop dropped since, out of the walk
-            # for copies and out of torch_xla's walk of the barrier.
-            verdicts.release_unheld()
-        # No verdict of an earlier step before the real barrier: it may still
-        # be dispatching, and a buffer reads as deleted while XLA holds it for
-        # a donation it may yet give back (see verdicts.py).
+            verdicts.release_unheld()  # earlier donors dropped since: out of the walks
+        # No verdict of an earlier step before the real barrier: a buffer XLA
+        # holds for a donation it may yet give back reads as deleted.
         notices = Notices()
         step, donors = begin_and_decide(verdicts.marks_on(here), notices, abandon=abandon)
         donors = arm(donors, notices)
@@ -148,11 +124,9 @@ def barrier_before(device="", devices=(), wait=True, reset_scope=True, *, commit
                 notices.add(DroppedDonationWarning, messages.AUTO_SKIPPED.format(
                     error=f"{type(error).__name__}: {auto.braces_safe(error)}"), [])
         if donors and xla.local_device_count() == 1:
-            # The donors nothing but their entry refers to (the loop rebound
-            # its names) go now, each entry keeping only its buffer: so
-            # torch_xla's barrier neither walks nor keeps them, as raw
-            # donation's die while tracing.  After auto.at_commit, whose
-            # search must see them held.
+            # Donors only their entry refers to go now, the entry keeping the
+            # buffer: torch_xla's barrier neither walks nor keeps them.  After
+            # auto.at_commit, whose search must see them held.
             C.release_unheld(donors)
         return token
     except BaseException:
@@ -162,18 +136,11 @@ def barrier_before(device="", devices=(), wait=True, reset_scope=True, *, commit
 
 def begin_and_decide(only, notices, abandon=False):
     """Takes the marks (all, or those of the tensors ``only``) into a new
-    step and decides them; returns (step, donors), the donors not armed.
-    Never raises from the plugin's own checks (see ``undecided``).
-
-    The tricky case: a mark made before ``configure(enabled=False)``
-    (marking itself does nothing while switched off) is refused by the
-    execution that takes it, a step barrier or a compiled call alike:
-    DISABLED, value kept.
-    """
+    step and decides them: (step, donors not armed yet).  A mark made before
+    ``configure(enabled=False)`` settles DISABLED, value kept."""
     if not guards.decided():
-        # The guards, once, on a marked tensor (no graph of their own; a
-        # compiled function's own donations decide them here): one that
-        # fails switches donation off, and the marks are DISABLED below.
+        # The guards, once, on a marked tensor (no graph of their own); one
+        # that fails switches donation off and the marks settle DISABLED.
         marked = C.marked_tensors() if only is None else only
         if marked:
             guards.decide(marked[0])
@@ -193,14 +160,13 @@ def begin_and_decide(only, notices, abandon=False):
 
 
 def _judged(referred, notices) -> list:
-    """The entries ``C.commit`` referred back, judged: those that may be
-    donated after all, the others dropped (value kept, a warning)."""
+    """The entries ``C.commit`` referred back: those donated after all; the
+    others are dropped (value kept, a warning)."""
     donors = []
     held = [e for e, split, _ in referred if split == S.HELD]
     if held:
-        # Aliases and autograd graphs: a module's parameters sharing the
-        # storage go with the donation, a name the user holds blocks it
-        # (_holders.py); those let through get the buffer checks.
+        # Aliases: a module's parameter goes with the donation, a name the
+        # user holds blocks it; those let through get the buffer checks.
         allowed, dropped = holders.judge_held(held)
         verdicts.drop_entries(dropped, notices)
         more, referred_again = C.screen(allowed)
@@ -208,9 +174,8 @@ def _judged(referred, notices) -> list:
         referred = [r for r in referred if r[1] != S.HELD] + referred_again
     excess = [e for e, split, _ in referred if split == S.EXCESS]
     if excess:
-        # A moment's holders: autograd's worker thread, or the previous
-        # execution still dispatching with the buffer as its input.  Asked
-        # again once both are done, so the outcome never depends on timing.
+        # A moment's holders (autograd's worker, the previous execution
+        # dispatching): asked again once both are done, never timing-dependent.
         holders.settle_autograd(excess[0][0].device)
         xla.wait_device_ops()
         more, referred_again = C.screen(excess)
@@ -229,9 +194,8 @@ def _judged(referred, notices) -> list:
 
 
 def undecided(entries, error, notices) -> list:
-    """A check of the commit raised: every mark of the step not settled yet
-    is dropped (DROPPED, value kept), and the warning says why.  Returns no
-    donor."""
+    """A check of the commit raised: the step's open marks are DROPPED
+    (values kept) and the warning says why.  Returns no donor."""
     dropped = [r for _, r in entries if r.verdict == C.Verdict.IN_FLIGHT]
     verdicts.drop(dropped)
     if dropped:
@@ -241,24 +205,23 @@ def undecided(entries, error, notices) -> list:
 
 
 def arm(donors, notices) -> list:
-    """A step barrier's arming: sets the donor flag on the buffer each donor
-    holds now; returns the armed entries.  One torch_xla refuses (no plain
-    device data after all) is dropped.  A compiled call arms its donors
-    only while the bridge extracts an executable for them (_dynamo.py)."""
+    """Sets the donor flag on the buffer each donor holds now; returns the
+    armed entries (one torch_xla refuses is dropped)."""
     if not donors:
         return donors
     set_donor = xla.real("_set_buffer_donation")
-    refused = [e for e in donors if not set_donor(e[0], True)]
-    if not refused:
+    # map, not a comprehension: no bytecode per donor on the hot path.
+    armed = list(map(set_donor, map(_tensor_of, donors), repeat(True)))
+    if all(armed):
         return donors
+    refused = [e for e, ok in zip(donors, armed) if not ok]
     verdicts.drop_entries({messages.REFUSED_FLAG: refused}, notices)
     gone = {id(e) for e in refused}
     return [e for e in donors if id(e) not in gone]
 
 
 def disarm(tensors) -> None:
-    """Clears torch_xla's donor flag on the buffer each tensor holds (a
-    consumed buffer keeps one nothing can read any more)."""
+    """Clears torch_xla's donor flag on the buffer each tensor holds."""
     set_donor = xla.real("_set_buffer_donation")
     for t in tensors:
         if t is not None:
@@ -266,8 +229,7 @@ def disarm(tensors) -> None:
 
 
 def barrier_after(token, result, error):
-    """The second half of a step barrier.  The warnings held back are given
-    last, once the lock is released."""
+    """The second half of a step barrier; held-back warnings go last."""
     try:
         if token is _FLUSH:
             return result
@@ -285,17 +247,10 @@ def barrier_after(token, result, error):
 
 
 def finish(device, donors, notices, certain: bool) -> None:
-    """The end of every commit whose execution ran, once its donor set is
-    fixed: poison the donors the user still holds and their companions,
-    disarm the flags of the donors the entries keep, leave the verdicts in
-    flight (``certain``: the execution was waited for).
-
-    With one device a donor nothing but its entry refers to is let go (its
-    entry keeps only its buffer), and one the user still holds is poisoned
-    and kept weakly, its flag left armed until its verdict: it dies when
-    the loop drops it, as raw donation's do (csrc/hooks/commit.cpp Finish).
-    A donor that cannot be poisoned does not stop the others: a
-    ``TypeError`` naming its class is raised once the commit is whole.
+    """A commit whose execution ran: poisons the donors the user still holds
+    (``C.finish``) and their companions, disarms what the entries keep, and
+    leaves the verdicts in flight (``certain``: the execution was waited
+    for).  A donor that cannot be poisoned raises TypeError after the commit.
     """
     to_disarm, failed = C.finish(donors, release=xla.local_device_count() == 1)
     disarm(to_disarm)
@@ -307,17 +262,10 @@ def finish(device, donors, notices, certain: bool) -> None:
 
 
 def fail(donors, dead_inputs=None) -> None:
-    """The end of every commit whose execution raised: no flag stays armed,
-    the dead inputs armed with the donors are let go, every step so far may
-    have failed (``verdicts.note_failure``: their open verdicts will not
-    read "unused"), and the donors settle STEP_FAILED, values kept, or LOST
-    if torch_xla lost the buffer.
-
-    The tricky case: a donor ``release_unheld`` let go before the
-    execution.  Its buffer is no tensor's, but the failed step's pending
-    outputs still read it, and a partial sync of some of them
-    (``xm.unlazy``) would consume it under the others: its flag is cleared
-    through a carrier (``xla.set_unheld_flags``)."""
+    """A commit whose execution raised: no flag stays armed and the donors
+    settle STEP_FAILED (values kept) or LOST.  A donor released before the
+    execution has no tensor, yet the failed step's outputs still read its
+    buffer: its flag is cleared through a carrier (``xla.set_unheld_flags``)."""
     auto.abandon(dead_inputs)
     disarm(e[0] for e in donors)
     released = [e for e in donors if e[0] is None]
@@ -336,17 +284,10 @@ def _unpoisoned_error(failed) -> TypeError:
     return TypeError(messages.unpoisoned(t, record, message, more))
 
 
-# -- Executions that commit nothing ----------------------------------------
-#
-# ``_xla_sync_multi`` (``xm.unlazy``, ``xm.save``, ``gradient_accumulation``,
-# the dynamo bridge's input sync) and ``_xla_sync_live_tensors`` run part of
-# the pending work.  They honour torch_xla's donor flags, but a mark is never
-# armed outside a commit, so they take nothing; they only wait for a commit
-# another thread has in progress on the same device, whose flags are armed.
-# (With one device per thread, ``torch_xla.launch``, they need not wait.)
-# With one device they clear, as a barrier does, the flags ``finish`` left
-# armed on in-flight buffers that still hold a value and whose tensor the
-# user still holds (``verdicts.disarm_in_flight``).
+# Partial syncs (``_xla_sync_multi``: ``xm.unlazy``, ``xm.save``; and
+# ``_xla_sync_live_tensors``) commit nothing: they wait for another thread's
+# commit on the device (its flags are armed) and clear the flags ``finish``
+# left armed on in-flight buffers the user still holds.
 
 
 def flush_before(*args, **kwargs):

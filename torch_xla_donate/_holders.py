@@ -1,10 +1,7 @@
-"""Who else holds a donor's buffer, and what that means for its donation
-(docs/buffer-sharing.md lists every kind of holder).  The native reads say
-when a donor is held by anyone else; this module then finds the holders
-Python can reach (one walk of the garbage collector's objects) and judges
-them, the same way at marking and at the commit: a module's parameter or a
-leaf only an autograd graph holds goes with the donation (a *companion*,
-poisoned with it); any other holder blocks it, and the message names it.
+"""Who else holds a donor's buffer, judged the same way at marking and at
+the commit (docs/buffer-sharing.md): a module's parameter or a leaf only an
+autograd graph holds goes with the donation (a *companion*, poisoned with
+it); any other holder blocks it, and the message names it.
 """
 import contextlib
 import threading

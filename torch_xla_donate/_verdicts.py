@@ -1,13 +1,6 @@
-"""Verdicts: what became of each committed donation, once it is known
-(docs/design.md, "The step's life").  This module owns the in-flight
-entries; each settles at the next barrier of its device, a use of its
-tensor (``settle_one``), ``is_deleted`` or ``settle()``.
-
-* REUSED: the buffer is gone, the tensor stays poisoned (``C.settle_entries``);
-* UNUSED: value given back, poison lifted, warned (``_keep``, ``_warn_unused``);
-* STEP_FAILED, DISABLED: value kept, quietly (``_keep``);
-* LOST: the step failed and torch_xla lost the buffer (``_lose``);
-* DROPPED: decided against at the commit, value kept (``drop``).
+"""Verdicts of committed donations (docs/design.md, "The step's life"): this
+module owns the in-flight entries, settled at the device's next barrier, a
+use of the tensor (``settle_one``), ``is_deleted`` or ``settle()``.
 """
 import threading
 import weakref
@@ -31,8 +24,7 @@ __all__ = ["after_commit", "settle", "settle_one", "abandon", "failed", "drop", 
 # The C.Entry of every committed donation whose verdict is open.
 _in_flight = []
 
-# Called whenever verdicts may have settled (report.py's per-step log);
-# cheap, never raising.
+# Called whenever verdicts may have settled (report.py); cheap, never raising.
 settled_listeners = []
 
 
@@ -43,9 +35,8 @@ def notify_settled() -> None:
 
 
 def after_commit(device, donors, certain: bool) -> None:
-    """After an execution on ``device`` committed ``donors``: the device's
-    earlier verdicts are certain now (it could not start before the previous
-    one was dispatched); its own are if ``certain`` (it was waited for)."""
+    """The device's earlier verdicts are certain now (this execution started
+    after the previous one was dispatched); its own if ``certain``."""
     global _in_flight
     earlier, others = _split_by_device(_in_flight, device)
     try:
@@ -69,15 +60,14 @@ def _joined(*lists) -> list:
 
 
 def abandon(entries, verdict) -> None:
-    """Committed entries that will not be donated (switched off, a step block
-    that raised): values kept, quietly."""
+    """Committed entries that will not be donated: values kept, quietly."""
     for t, record in entries:
         _keep(t, record, verdict)
 
 
 def failed(entries) -> None:
-    """The donations of a failed execution: STEP_FAILED, quietly, unless
-    torch_xla lost the buffer with the step (2.7, a compile error): LOST."""
+    """A failed execution's donations: STEP_FAILED, or LOST if torch_xla lost
+    the buffer (2.7, a compile error)."""
     for entry in entries:
         t, record = entry
         if record.verdict == C.Verdict.IN_FLIGHT:
@@ -93,9 +83,8 @@ def _consumed(entry) -> bool:
 
 
 def _settle(entries, certain: bool) -> list:
-    """Settles in-flight entries once ``certain`` their step was dispatched
-    (before, a buffer XLA holds for a donation reads as deleted even if a
-    failing step gives it back); returns those still open."""
+    """Settles entries once ``certain`` their step was dispatched (before, a
+    buffer XLA holds for a donation reads as deleted); returns those open."""
     if not certain:
         return entries
     if _failed_through > 0:
@@ -109,10 +98,8 @@ def _settle(entries, certain: bool) -> list:
 
 
 def settle_one(t, record) -> None:
-    """Settles ``record`` now, waiting for its step to be dispatched: ``t`` (or
-    the tensor torch_xla sees behind it) is about to be used.  Never waits
-    holding the lock (another device's step may wait in a collective for
-    this thread); a failure of the step surfaces here, the verdict open."""
+    """Settles ``record`` now: ``t`` is about to be used.  Never waits holding
+    the lock (another device's step may wait in a collective for this thread)."""
     with lock:
         if record.verdict != C.Verdict.IN_FLIGHT:
             return
@@ -139,14 +126,9 @@ def settle_one(t, record) -> None:
 def settle() -> None:
     """Settles every open verdict, waiting for the device if needed
     (``torch_xla_donate.settle()``): reports and counts taken after it are
-    final.
-
-    It first waits for autograd's worker thread to release the backward
-    passes it finished, as a donation does.  The tricky case: a loop that
-    donates nothing, whose backward's lazy tensors that thread may still hold
-    at the next barrier, which then computes them too: another graph, which
-    may round differently.  Called before each barrier, ``settle()`` makes
-    such a loop bit-repeatable (a run to compare a donating one with).
+    final.  It first waits for autograd's worker thread to let go of finished
+    backward passes, so a loop calling it before each barrier is
+    bit-repeatable even without donations (a run to compare a donating one with).
 
     Raises:
       UnusedDonationError: in strict mode, for donations no output could take.
@@ -175,18 +157,14 @@ def settle() -> None:
 
 
 def release_unheld() -> None:
-    """A barrier's first step (one device, the lock held): entries whose tensor
-    the loop dropped since keep only their buffer, so neither the walk for
-    copies nor torch_xla's barrier meets the tensors again."""
+    """Entries whose tensor the loop dropped since keep only their buffer."""
     if _in_flight:
         C.release_unheld(_in_flight)
 
 
 def disarm_in_flight(device) -> None:
-    """Before an execution on ``device`` builds its graph: clears the flag
-    ``finish`` left armed on a weakened donor the user still holds whose
-    buffer still holds a value (a step still running), so that an ``_XLAC``
-    call taking it straight to torch_xla cannot donate it."""
+    """Before an execution builds its graph: clears the flag ``finish`` left
+    armed on a held donor whose buffer still has a value (its step running)."""
     if _in_flight:
         for entry in C.live_held(_in_flight, True):
             xla.set_donor(entry[0], False)
@@ -197,8 +175,7 @@ def in_flight_count() -> int:
 
 
 def _keep(t, record, verdict) -> None:
-    """A verdict that leaves ``t`` its value: flag cleared if ``finish`` left it
-    armed, poison lifted.  ``t`` is None once nobody holds it."""
+    """A verdict that leaves ``t`` (None: nobody holds it) its value."""
     if t is not None and C.live_held([record]):
         xla.set_donor(t, False)
     C.settle(record, verdict)
@@ -219,8 +196,7 @@ def drop(records) -> None:
 
 
 def drop_entries(dropped, notices) -> None:
-    """Drops the entries of ``dropped`` ({why: entries}), one
-    ``DroppedDonationWarning`` each, held in ``notices``."""
+    """Drops ``{why: entries}``: one ``DroppedDonationWarning`` per why."""
     for why, entries in dropped.items():
         records = [record for _, record in entries]
         drop(records)
@@ -228,9 +204,8 @@ def drop_entries(dropped, notices) -> None:
                     messages.DROPPED.replace("{why}", messages.escape(why)), records)
 
 
-# -- Devices and steps -------------------------------------------------------
-# With several devices (torch_xla.launch: a thread each) a barrier is certain
-# only about its own device's verdicts.
+# -- Devices and steps: with several devices a barrier is certain only about
+# its own device's verdicts.
 
 def barrier_device(device: str):
     """The device a barrier called with ``device`` ("" : the thread's) syncs."""
@@ -290,9 +265,8 @@ def wait_after(token, result, error):
     return result
 
 
-# -- Unused donations --------------------------------------------------------
-# One warning per line that marked them, its text the same each step, so
-# Python's filters decide how often it shows; strict mode raises each time.
+# -- Unused donations: one warning per marking line, the same text each step,
+# so Python's filters decide how often it shows; strict mode raises each time.
 
 _lock = threading.RLock()  # weakref callbacks may run while it is held
 _buffers = {}  # id(tensor) -> (weakref, path): module buffers given to donate()
@@ -311,8 +285,8 @@ def _warn_unused(entries) -> None:
 
 
 def note_module_buffers(named) -> None:
-    """The tensors of ``named`` ((path, tensor) pairs) are buffers of a module
-    given to ``donate``: an unused warning names them, while they live."""
+    """(path, tensor) pairs of module buffers given to ``donate``: an unused
+    warning names them while they live."""
     with _lock:
         for path, tensor in named:
             known = _buffers.get(id(tensor))
