@@ -1,7 +1,5 @@
-// The commit of a step's marks: begin and split (the commit's rules, in
-// Split and Screen), then after the execution the poisoning (Finish) and the
-// verdicts' reads (SettleEntries).  Python arms and disarms torch_xla's donor
-// flags and words every outcome (_commit.py).
+// The commit of a step's marks: begin and split (Split_, Screen), then the poisoning (Finish) and
+// the verdicts' reads (SettleEntries); Python arms, disarms and words outcomes (_commit.py).
 #include <pybind11/stl.h>
 
 #include "reads.h"
@@ -17,22 +15,25 @@ PyObject* TensorOf(PyObject* entry, const RecordPtr** record) {
   return t;
 }
 
-// What the split made of a step's marks: the donors, and the entries
-// referred back to Python as (entry, Split, detail).
+// The donors, and the entries referred back to Python as (entry, Split, detail).
 struct Judged {
-  py::list donors, referred;
+  std::vector<PyObject*> donors;  // borrowed: the caller keeps the entries alive
+  py::list referred;
   void Refer(PyObject* entry, Split split, py::object detail) {
     Check(PyList_Append(referred.ptr(),
                         py::make_tuple(py::handle(entry), static_cast<int>(split), detail).ptr()) ==
           0);
   }
-  void Donor(PyObject* entry) { Check(PyList_Append(donors.ptr(), entry) == 0); }
+  void Donor(PyObject* entry) { donors.push_back(entry); }
+  py::list DonorList() const {  // one block, not a list grown per donor
+    py::list out(donors.size());
+    for (size_t i = 0; i < donors.size(); ++i) PyList_SET_ITEM(out.ptr(), i, Py_NewRef(donors[i]));
+    return out;
+  }
 };
 
-// The buffer checks of candidates (XLA, materialized, no alias or autograd
-// holder) whose facts were read: copies made in the step (the registry's
-// walk; without functionalization also live tensors holding the buffer
-// itself, whose holder counts cannot be read), then the holder counts.
+// The buffer checks of read candidates: copies made in the step (the registry's walk; without
+// functionalization, whose holder counts are unread, also tensors holding the buffer), then counts.
 void Screen(const std::vector<PyObject*>& entries, std::vector<LazyFacts>& facts,
             const std::vector<int64_t>& clones, Judged* out) {
   const size_t n = entries.size();
@@ -74,14 +75,9 @@ void Screen(const std::vector<PyObject*>& entries, std::vector<LazyFacts>& facts
   }
 }
 
-// commit(only=None) -> (step, donors, referred): takes the marks (all, or
-// those of the tensors `only`) into a new step and splits them, in order:
-//  * no XLA tensor (junk put into the ledger directly): DROPPED, quietly;
-//  * pending, or its version moved: updated in place after marking, an
-//    output: UPDATED_IN_PLACE;
-//  * views, aliases or an autograd graph alive: HELD, for Python to judge;
-//  * the buffer checks (Screen): COPY, EXCESS, UNREAD;
-//  * the rest are donors, not armed yet.
+// commit(only=None) -> (step, donors, referred): takes the marks (all, or `only`'s) into a new step
+// and splits them: not XLA: DROPPED; pending or version moved: UPDATED_IN_PLACE; views, aliases or
+// autograd: HELD (for Python to judge); then Screen.  The rest are donors, not armed yet.
 py::tuple Split_(py::object only) {
   RequireBound();
   std::vector<PyObject*> keys;
@@ -93,9 +89,11 @@ py::tuple Split_(py::object only) {
   const int64_t step =
       GlobalLedger().BeginStep(&tensors, &records, only.is_none() ? nullptr : &keys);
   Judged judged;
-  py::list entries;  // keeps the candidates' entries alive
+  std::vector<py::object> entries;  // keeps the candidates' entries alive
   std::vector<PyObject*> candidates;
   std::vector<LazyFacts> facts;
+  entries.reserve(tensors.size());
+  judged.donors.reserve(tensors.size());
   candidates.reserve(tensors.size());
   facts.reserve(tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) {
@@ -114,8 +112,7 @@ py::tuple Split_(py::object only) {
     }
     PyObject* entry = NewEntry(t, records[i]);
     Check(entry != nullptr);
-    Check(PyList_Append(entries.ptr(), entry) == 0);
-    Py_DECREF(entry);
+    entries.push_back(py::reinterpret_steal<py::object>(entry));
     if (tf.storage_use_count > 1 || HeldByAutograd(t, tf)) {
       judged.Refer(entry, Split::HELD, py::none());
     } else {
@@ -124,12 +121,11 @@ py::tuple Split_(py::object only) {
     }
   }
   Screen(candidates, facts, {}, &judged);
-  return py::make_tuple(step, judged.donors, judged.referred);
+  return py::make_tuple(step, judged.DonorList(), judged.referred);
 }
 
-// screen(entries, clones=()) -> (donors, referred): the buffer checks alone,
-// for the entries Python let through after judging their holders, waiting,
-// or finding their same-step copies are `clones` (torch_xla ids).
+// screen(entries, clones=()) -> (donors, referred): the buffer checks alone, for the entries
+// Python let through (holders judged, waited for, or same-step copies that are `clones`).
 py::tuple ScreenOf(py::list entries, std::vector<int64_t> clones) {
   RequireBound();
   std::vector<PyObject*> items;
@@ -141,11 +137,10 @@ py::tuple ScreenOf(py::list entries, std::vector<int64_t> clones) {
   }
   Judged judged;
   Screen(items, facts, clones, &judged);
-  return py::make_tuple(judged.donors, judged.referred);
+  return py::make_tuple(judged.DonorList(), judged.referred);
 }
 
-// Hands `t`'s buffer to `entry` through `keep`; false, nothing changed, if
-// it cannot be read or the entry cannot take it.
+// Hands `t`'s buffer to `entry` through `keep`; false, nothing changed, if it cannot.
 bool KeepBuffer(PyObject* entry, PyObject* t, bool (*keep)(PyObject*, HeldBuffer*)) {
   HeldBuffer* buffer = LazyReadsEnabled() ? TakeBuffer(ImplAddress(t)) : nullptr;
   if (!buffer) return false;
@@ -154,10 +149,8 @@ bool KeepBuffer(PyObject* entry, PyObject* t, bool (*keep)(PyObject*, HeldBuffer
   return false;
 }
 
-// Lets go of a donor nothing but its entry refers to: the entry keeps only
-// its buffer, so the tensor, its wrapper and the XLATensor die now, as raw
-// donation's die while tracing.
-// (A weak reference does not keep it: it dies as it is let go.)
+// Lets go of a donor only its entry refers to (a weak reference does not keep it): the entry
+// keeps its buffer, and the tensor, its wrapper and the XLATensor die now, as raw donation's do.
 bool ReleaseIfUnheld(PyObject* entry, PyObject* t) {
   // Not a tensor whose finalizer may bring it back: that one is poisoned.
   if (t == Py_None || Py_REFCNT(t) != 1 || Py_TYPE(t)->tp_finalize || Py_TYPE(t)->tp_del)
@@ -178,14 +171,10 @@ size_t ReleaseUnheld(py::list donors) {
   return released;
 }
 
-// finish(donors, release) -> (to_disarm, failed): once the execution's donor
-// set is fixed, poisons each donor the user still holds.  A donor nothing
-// else refers to is let go (`release`) or left alone; one the user holds is
-// poisoned and, with `release`, kept weakly, its flag left armed on the
-// buffer its record keeps (nothing but a use of its poisoned tensor can put
-// that buffer into a graph, and the use settles the verdict first); the
-// others come back for Python to disarm.  A donor whose poisoning fails
-// does not stop the others: failed lists (entry, message).
+// finish(donors, release) -> (to_disarm, failed): poisons each donor the user holds.  An unheld one
+// is let go (`release`) or left; a held one, with `release`, kept weakly, its flag left armed on
+// its record's buffer (only a use of its poisoned tensor can put that buffer into a graph, and the
+// use settles the verdict first); the others come back to disarm.  failed: (entry, message).
 py::tuple Finish(py::list donors, bool release) {
   RequireBound();
   py::list failed, to_disarm;
@@ -207,9 +196,8 @@ py::tuple Finish(py::list donors, bool release) {
   return py::make_tuple(to_disarm, failed);
 }
 
-// settle_entries(entries, certain) -> (unknown, unused): a deleted buffer is
-// REUSED; a live one is unused only when `certain` that its step was
-// dispatched.  Entries settled meanwhile are skipped.
+// settle_entries(entries, certain) -> (unknown, unused): a deleted buffer is REUSED; a live one
+// unused only when `certain` its step was dispatched.  Entries settled meanwhile are skipped.
 py::tuple SettleEntries(py::list entries, bool certain) {
   RequireBound();
   py::list unknown, unused;
@@ -245,9 +233,8 @@ void RegisterCommit(py::module_& m) {
   m.def(
       "live_held",
       [](py::list items, bool reachable) {
-        // The entries (or records) keeping a buffer that still holds a value,
-        // their flag left armed by finish; with `reachable`, only those whose
-        // tensor still leads to it (a weakened donor the user holds).
+        // Entries (or records) keeping a buffer that holds a value, its flag left armed by
+        // finish; with `reachable`, only those whose tensor leads to it (a weakened donor held).
         py::list live;
         for (py::handle item : items) {
           PyObject* t;

@@ -210,11 +210,11 @@ def arm(donors, notices) -> list:
     if not donors:
         return donors
     set_donor = xla.real("_set_buffer_donation")
-    # map, not a comprehension: no bytecode per donor on the hot path.
-    armed = list(map(set_donor, map(_tensor_of, donors), repeat(True)))
-    if all(armed):
+    # map, not a loop: no bytecode per donor.  Arming is idempotent, so after
+    # a refusal each donor is asked again to find the refused ones.
+    if all(map(set_donor, map(_tensor_of, donors), repeat(True))):
         return donors
-    refused = [e for e, ok in zip(donors, armed) if not ok]
+    refused = [e for e in donors if not set_donor(e[0], True)]
     verdicts.drop_entries({messages.REFUSED_FLAG: refused}, notices)
     gone = {id(e) for e in refused}
     return [e for e in donors if id(e) not in gone]
