@@ -131,8 +131,8 @@ def interleaved_rates(step, modes, windows: int, steps: int, wait) -> dict:
 
     * ``rates``: steps per second of each window;
     * ``loop_cpu`` and ``process_cpu``: CPU seconds per step of each window,
-      of the loop's thread and of the whole process (every thread: XLA's,
-      the plugin's reaper).  Beside the rate they tell a loop that computes
+      of the loop's thread and of the whole process (every thread: the
+      loop's and XLA's).  Beside the rate they tell a loop that computes
       more from one that waits more (a lock, the device, the other CPU
       taken by another thread);
     * ``collections``: the collections Python's garbage collector ran per
@@ -183,7 +183,9 @@ def time_real_barrier(xla) -> list:
     """Replaces torch_xla's real barrier, as the plugin calls it
     (``xla.REAL["_xla_step_marker"]``), with one that adds its thread CPU
     time to the returned one-element list: a step's host time minus it is
-    the time spent outside torch_xla's barrier."""
+    the time spent outside torch_xla's barrier.  The plugin's trampolines
+    take the real function when they are installed, so they are put in
+    again around the timed one (which cancels every mark: call it first)."""
     inner = [0.0]
     real_barrier = xla.real("_xla_step_marker")
 
@@ -195,6 +197,10 @@ def time_real_barrier(xla) -> list:
             inner[0] += time.thread_time() - start
 
     xla.REAL["_xla_step_marker"] = timed_barrier
+    hooks = sys.modules.get(xla.__name__.rpartition(".")[0] + "._hooks")
+    if hooks is not None and hooks.installed():
+        hooks.uninstall()
+        hooks.install()
     return inner
 
 

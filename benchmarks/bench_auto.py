@@ -1,4 +1,4 @@
-"""What finding dead step inputs costs (torch_xla_donate/_outcomes/auto.py).
+"""What finding dead step inputs costs (torch_xla_donate/_auto.py).
 
 A step replaces 16 state tensors (f32[64,64]) functionally, ``xs = [x * 0.5
 + 1 for x in xs]``, while N live XLA tensors (f32[16]) are held besides,
@@ -11,7 +11,7 @@ in one process, in blocks of steps, round-robin:
 
 Measured: host CPU time (thread time) of the step without the real barrier,
 per step; and for ``auto`` the native search alone (the walk of torch_xla's
-live tensors and of the step's IR, csrc/auto/dead_inputs.cpp), per step and
+live tensors and of the step's IR, csrc/dead_inputs.cpp), per step and
 per 1,000 live tensors.  The issue's target: at most 1 ms per step per
 1,000 live tensors.
 
@@ -38,8 +38,8 @@ def child(n: int, rounds: int, block: int) -> dict:
     import torch_xla.core.xla_model as xm
 
     import torch_xla_donate as tdx
-    from torch_xla_donate import _xla
     from torch_xla_donate import _auto as auto
+    from torch_xla_donate import _xla
 
     dev = torch_xla.device()
     others = [torch.full((16,), float(i)).to(dev) for i in range(n - STATE)]

@@ -12,14 +12,16 @@ N tensors (``bench_instructions``' loop: ``donate_buffer`` per tensor,
   Python code;
 * C++ -> Python: a Python function entered while its caller is inside one
   of those native calls (a ``C.bind`` hook written in Python, such as
-  poison.py's ``inner``, which the commit called per poisoned donor until
-  2026-11-26), or entered by a ``C.Trampoline`` (the step hook's halves
-  around ``_xla_step_marker``).
+  ``_marking.refused`` or ``_poison.on_donated_dispatch``), or entered by a
+  ``C.Trampoline`` (the step hook's halves around ``_xla_step_marker``).
 
-What the profiler cannot see: a bound hook that is itself a builtin
-(``set_donor`` is ``_XLAC._set_buffer_donation``) called from C++ goes
-through Python's call machinery without entering Python code; those are
-listed from the source (csrc/base/tensor_access.cpp) in README.md.
+What the profiler cannot see: a builtin called by another builtin, not by
+Python code.  A bound hook that is itself a builtin, called from C++, would
+be one; there is none now (the hooks ``C.bind`` takes, csrc/module.cpp, are
+Python functions and classes).  ``_commit.arm`` calls torch_xla's
+``_set_buffer_donation`` per donor through ``map()``: the child puts a
+pass-through Python function in its place (``_xla.REAL``), so that each of
+those calls is made from Python code and counted.
 
 Counted in the marking calls (per tensor) and in the barrier (per step,
 split into the part that grows with N and the part that does not, from two
@@ -61,7 +63,8 @@ class _Counter:
             kind = None
             if module.startswith("torch_xla_donate._C") or self_mod == "torch_xla_donate._C":
                 kind = "py->_C"
-            elif module.startswith("torch_xla._XLAC") or self_mod == "torch_xla._XLAC":
+            elif (module.startswith("torch_xla._XLAC") or module == "_XLAC"  # pybind11's name
+                  or self_mod == "torch_xla._XLAC"):
                 kind = "py->_XLAC"
             if kind:
                 self.counts[(self.phase, kind)] += 1
@@ -86,17 +89,18 @@ class _Counter:
 
 
 def _trampoline_codes():
-    """The Python halves ``C.Trampoline`` hooks call: the functions of the
-    step hook's modules named ``*_before`` / ``*_after`` (a Trampoline
-    exposes only ``real``)."""
+    """The Python halves ``C.Trampoline`` hooks call (a Trampoline exposes
+    only ``real``): the before and after of every ``_XLAC`` trampoline
+    (``_hooks._TRAMPOLINES``, ``_dynamo.TRAMPOLINES``: the step barrier's
+    first half is ``_commit.barrier_hook``), and the functions of the hook
+    modules named ``*_before`` / ``*_after`` (the step blocks')."""
     import inspect
 
-    from torch_xla_donate import _commit as commit
-from torch_xla_donate import _dynamo as dynamo
-from torch_xla_donate import _hooks as executions
-from torch_xla_donate import _hooks as gradient_accumulation
-    codes = set()
-    for module in (commit, dynamo, executions, gradient_accumulation):
+    from torch_xla_donate import _commit, _dynamo, _hooks, _verdicts
+
+    codes = {fn.__code__ for _, *halves in _hooks._TRAMPOLINES + _dynamo.TRAMPOLINES
+             for fn in halves}
+    for module in (_commit, _dynamo, _hooks, _verdicts):
         for name, fn in inspect.getmembers(module, inspect.isfunction):
             if name.endswith(("before", "after")) and fn.__module__ == module.__name__:
                 codes.add(fn.__code__)
@@ -109,6 +113,12 @@ def child(mode: str, n: int, steps: int) -> dict:
     import torch_xla.core.xla_model as xm
 
     import torch_xla_donate as tdx
+    from torch_xla_donate import _xla
+
+    # The plugin's own calls of _set_buffer_donation, seen by the profiler
+    # also where a builtin (map) makes them (see the docstring).
+    set_buffer_donation = _xla.REAL["_set_buffer_donation"]
+    _xla.REAL["_set_buffer_donation"] = lambda t, flag: set_buffer_donation(t, flag)
 
     dev = torch_xla.device()
     ts = [torch.full((16,), float(i), device=dev) for i in range(n)]

@@ -10,9 +10,7 @@ it.  Instructions are not time (cache misses and the allocator's locks are
 not in them); ``bench_overhead.py`` and ``bench_async.py`` give the times.
 Each mode is counted twice: every thread of the process, and the loop's
 thread alone, the one a host-bound loop waits for (torch_xla frees a
-donated input's buffer object on the thread that ran the execution; the
-plugin's reaper, csrc/lazy/reaper.h, frees the ones it held on a thread of
-its own).
+donated input's buffer object on the thread that ran the execution).
 
 The loop is ``bench_overhead``'s: N small tensors (f32[16]) replaced each
 step by ``torch._foreach_add(ts, 1.0)``, ``torch_xla.sync(wait=False)``,
@@ -195,7 +193,7 @@ def main() -> None:
         "",
         f"{n} tensors, {steps} steps counted after {WARMUP} warm-up steps, every thread of the "
         "process, and the loop's thread alone (torch_xla runs executions, and frees their "
-        "inputs, on threads of its own; the plugin's reaper frees consumed buffers on one); "
+        "inputs, on threads of its own); "
         "two processes per mode.",
         "",
         C.table(["mode", "instructions per tensor per step", "on the loop's thread"],

@@ -50,7 +50,17 @@ HOOKED = {"plain", "donate_buffer", "donate(list)", "donate_buffer, kept"}
 TARGET_US = 1.0  # what the plugin may add over the floor
 
 
-PHASES = ["begin_step", "split_committed", "arm", "disarm_and_poison", "settle_entries"]
+# The barrier's stages, timed where the hook calls them: the native ones on
+# ``_C``, the Python ones on ``_commit`` (docs/design.md, "The step's life").
+# None calls another, so their times add up.
+PHASES = {
+    "commit": "_C",            # begin and split: the marks taken, the rules, the buffer checks
+    "arm": "_commit",          # torch_xla's donor flag set on each donor's buffer
+    "release_unheld": "_C",    # donors nothing else refers to let go (their entry keeps the buffer)
+    "finish": "_C",            # the donors the user still holds poisoned
+    "disarm": "_commit",       # the flags of the donors the entries keep cleared
+    "settle_entries": "_C",    # the verdicts: REUSED read from the buffers
+}
 
 
 def child(n: int, rounds: int, block: int) -> dict:
@@ -61,8 +71,7 @@ def child(n: int, rounds: int, block: int) -> dict:
     import torch_xla.core.xla_model as xm
 
     import torch_xla_donate as tdx
-    from torch_xla_donate import _C
-    from torch_xla_donate import _xla
+    from torch_xla_donate import _C, _commit, _xla
     from torch_xla_donate import _hooks as step_hook
 
     dev = torch_xla.device()
@@ -71,7 +80,7 @@ def child(n: int, rounds: int, block: int) -> dict:
     xm.wait_device_ops()
 
     # Thread CPU time (robust to other processes on the machine) of the real
-    # barrier inside the hook and of the hook's native batch calls.
+    # barrier inside the hook and of the hook's stages.
     cpu = {}
 
     def timed(name, fn):
@@ -89,8 +98,9 @@ def child(n: int, rounds: int, block: int) -> dict:
     step_hook.uninstall()
     torch_xla._XLAC._xla_step_marker = _xla.real("_xla_step_marker")
     step_hook.install()
-    for name in PHASES:
-        setattr(_C, name, timed(name, getattr(_C, name)))
+    owners = {"_C": _C, "_commit": _commit}
+    for name, owner in PHASES.items():
+        setattr(owners[owner], name, timed(name, getattr(owners[owner], name)))
     gc_wall = [0.0, 0.0]
     gc_runs = [0, 0, 0]  # collections of each generation in this step
 
@@ -216,7 +226,8 @@ def derive(n: int, med: dict, mean_gc: dict, pair: dict) -> dict:
         "added_vs_plain_us_per_tensor": pair["donate_buffer"]["vs_plain"][1],
         "donate_list_added_vs_raw_us_per_tensor": pair["donate(list)"]["vs_raw"][1],
         "kept_added_vs_raw_us_per_tensor": pair["donate_buffer, kept"]["vs_raw"][1],
-        "kept_poison_us_per_tensor": med["donate_buffer, kept"]["disarm_and_poison"] * per,
+        "kept_poison_us_per_tensor": sum(med["donate_buffer, kept"][p]
+                                         for p in ("finish", "disarm")) * per,
         # ... and wall clock, end to end (noisier on a shared machine).
         "wall_vs_raw_us_per_tensor": (d["full_wall"] - raw["full_wall"]) * per,
         "wall_vs_plain_us_per_tensor": (d["full_wall"] - base["full_wall"]) * per,
@@ -298,13 +309,12 @@ def main():
         brows.append([
             r["n"], f"{d['raw_set_buffer_donation_us_per_tensor']:.2f}",
             f"{d['donate_buffer_us_per_tensor']:.2f}",
-            f"{ph['begin_step']:.2f}", f"{ph['split_committed']:.2f}",
-            f"{ph['arm']:.2f}", f"{ph['disarm_and_poison']:.2f}", f"{ph['settle_entries']:.2f}",
+            *(f"{ph[p]:.2f}" for p in PHASES),
             f"{d['hook_rest_us_per_tensor']:.2f}", f"{d['trace_shift_us_per_tensor']:+.2f}",
         ])
     breakdown = C.table(
-        ["tensors", "raw _set_buffer_donation", "donate_buffer", "begin_step",
-         "split_committed", "arm", "disarm_and_poison", "settle_entries", "rest of hook",
+        ["tensors", "raw _set_buffer_donation", "donate_buffer", "commit (begin, split)", "arm",
+         "release_unheld", "finish (poison)", "disarm", "settle_entries", "rest of hook",
          "tracing (vs raw)"],
         brows,
     )
@@ -371,10 +381,10 @@ def chart(runs):
         ("donate_buffer() beyond the raw call",
          lambda d: d["donate_buffer_us_per_tensor"] - d["raw_set_buffer_donation_us_per_tensor"],
          "#1f77b4"),
-        ("barrier: commit + alias checks", lambda d: ph(d, "begin_step", "split_committed"), "#6baed6"),
+        ("barrier: commit (begin, split, buffer checks)", lambda d: ph(d, "commit"), "#6baed6"),
         ("barrier: arm the flags", lambda d: ph(d, "arm"), "#c6dbef"),
-        ("barrier: disarm and poison the donors still reachable", lambda d: ph(d, "disarm_and_poison"),
-         "#9ecae1"),
+        ("barrier: release, poison and disarm the donors",
+         lambda d: ph(d, "release_unheld", "finish", "disarm"), "#9ecae1"),
         ("barrier: verdicts", lambda d: ph(d, "settle_entries"), "#c6dbef"),
         ("other (rest of hook, net of work moved out of tracing)",
          lambda d: max(0.0, other(d)), "#deebf7"),

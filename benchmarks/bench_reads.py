@@ -1,5 +1,5 @@
 """What one question about an XLA tensor costs: the native read
-(csrc/lazy/lazy_reads.h, through ``_C.lazy_*``) against torch_xla's
+(csrc/xla_reads.cpp, through ``_C.lazy_*``) against torch_xla's
 ``_XLAC`` call that answers it, in instructions (callgrind) or time.
 
 Each row runs one call ``N`` times in a Python loop on a clean materialized

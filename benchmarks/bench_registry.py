@@ -1,13 +1,12 @@
 """What finding copies made in the donating step costs per barrier: the walk
-of torch_xla's live tensors (csrc/lazy/live_tensors.h, ``_base/arena.py``)
-that ``sharing.screen`` runs at every barrier that donates, against the
-Python search it replaces when the walk is off (``_screen_by_search`` with
-every donor: a walk of the live objects and one handle query per live
-tensor), and torch_xla's own walk of the same registry for scale.
+of torch_xla's live tensors (csrc/live_tensors.cpp, ``_C.same_step_copies``)
+that the commit's split runs at every barrier that donates (``Screen()`` in
+csrc/commit.cpp),
+and torch_xla's own walk of the same registry for scale.
 
 1,000 donors (materialized f32[16]) among 2,000 and 10,000 live XLA tensors,
 each read in the step (a cached device-data node: the walk asks its buffer);
-the median of ``--rounds`` calls of each (the search: fewer, it is slow).
+the median of ``--rounds`` calls of each.
 
     PJRT_DEVICE=CPU python benchmarks/bench_registry.py [--rounds 30]
 """
@@ -37,18 +36,16 @@ def child(rounds):
     import torch_xla
     import torch_xla.core.xla_model as xm
 
-    from torch_xla_donate import _xla as arena
-from torch_xla_donate import _guards as guards
-from torch_xla_donate import _xla as xla
-    from torch_xla_donate import _holders as ownership
-from torch_xla_donate import _holders as sharing
+    from torch_xla_donate import _C
+    from torch_xla_donate import _guards as guards
+    from torch_xla_donate import _xla as xla
 
     dev = torch_xla.device()
     donors = [torch.ones(16).to(dev) + i for i in range(DONORS)]
     torch_xla.sync()
     xm.wait_device_ops()
     guards.decide(donors[0])
-    assert arena.walk_in_use(), guards.state("walk")
+    assert xla.walk_in_use(), guards.state("walk")
     others, rows = [], []
     for live in LIVE:
         while xla.live_tensor_count() < live:
@@ -58,16 +55,10 @@ from torch_xla_donate import _holders as sharing
         for t in donors + others:  # read in the step: each caches its device-data node
             t + 0
         n = xla.live_tensor_count()
-        walk = _ms(lambda: arena.same_step_copies(donors), rounds)
+        walk = _ms(lambda: _C.same_step_copies(donors), rounds)
         own = _ms(lambda: xla.live_tensor_count(), rounds)
-
-        def search():
-            with ownership.scanning():
-                sharing.live_sharers(donors, donors)
-        python = _ms(search, max(3, rounds // 10))
         rows.append({"live": n, "donors": DONORS, "walk_ms": walk,
-                     "walk_us_per_live": walk * 1e3 / n, "torch_xla_walk_ms": own,
-                     "python_search_ms": python})
+                     "walk_us_per_live": walk * 1e3 / n, "torch_xla_walk_ms": own})
     C.emit({"rows": rows, "machine": C.machine()})
 
 
@@ -80,9 +71,9 @@ def main():
         return child(int(rest[0]) if rest else args.rounds)
     result = C.run_child(os.path.abspath(__file__), [args.rounds])
     headers = ["live XLA tensors", "donors", "walk per barrier (ms)", "walk per live tensor (µs)",
-               "torch_xla's own walk (ms)", "Python search, walk off (ms)"]
+               "torch_xla's own walk (ms)"]
     rows = [[r["live"], r["donors"], f"{r['walk_ms']:.2f}", f"{r['walk_us_per_live']:.3f}",
-             f"{r['torch_xla_walk_ms']:.2f}", f"{r['python_search_ms']:.1f}"]
+             f"{r['torch_xla_walk_ms']:.2f}"]
             for r in result["rows"]]
     text = (f"# Finding copies made in the donating step, per barrier\n\n"
             f"{C.machine_line(result['machine'])}\n\n{C.table(headers, rows)}\n")

@@ -1,7 +1,7 @@
 """What ``--xla_cpu_use_xnnpack=false`` costs on XLA:CPU.
 
 torch_xla_donate switches XLA:CPU's XNNPACK off at import on the CPU
-backend (torch_xla_donate/_base/xla_cpu.py): on some CPUs it computes a
+backend (torch_xla_donate/_xla_cpu.py): on some CPUs it computes a
 matmul with a reused buffer's old contents.  This measures the price:
 the time per step of matmul-heavy graphs with XLA's default settings and
 with the flag, each setting in its own fresh process (XLA reads XLA_FLAGS

@@ -32,8 +32,8 @@ import torch
 import torch_xla
 
 import torch_xla_donate as tdx
+from torch_xla_donate import _hooks
 from torch_xla_donate._native import C
-from torch_xla_donate import _hooks as install
 
 # The fuzzer's program, loaded from its file (the test suite is no package
 # this tool should put on the import path).
@@ -61,7 +61,7 @@ def main():
     parser.add_argument("--keep", default="")
     args = parser.parse_args()
     if args.no_donate:
-        install.uninstall()
+        _hooks.uninstall()
         fuzz_program.Program.donate = lambda self, entry, defer: None
         fuzz_program.Program.judge = lambda self, expectations: None
     with open(args.trace) as f:

@@ -9,31 +9,22 @@
 // one read of whether the buffer was consumed.  No record per donation (one
 // shared record tags every poisoned tensor), no ledger, no entries, no checks
 // of holders, copies or in-place updates, no Python hook.
-#include <Python.h>
-#include <pybind11/pybind11.h>
-
 #include <vector>
 
-#include "base/py_types.h"
-#include "base/tensor_access.h"
-#include "base/tensor_facts.h"
-#include "lazy/lazy_reads.h"
-#include "outcomes/poison.h"
+#include "reads.h"
 
 namespace torch_xla_donate {
-namespace py = pybind11;
 namespace {
 std::vector<PyObject*> g_marked;       // strong references until the barrier
 std::vector<HeldBuffer*> g_in_flight;  // the buffers the verdicts read
 long g_consumed = 0, g_read = 0, g_verdicts = 0;
 }  // namespace
 
-void RegisterLeanBound(PyObject* module) {
-  py::module_ m = py::reinterpret_borrow<py::module_>(module);
+void RegisterLeanBound(py::module_& m) {
   m.def("lean_mark", [](py::handle t) {
     TensorFacts facts;
     LazyFacts lazy;
-    if (Facts(t.ptr(), &facts, true) == 1 && ReadLazyFacts(ImplAddress(t.ptr()), &lazy)) ++g_read;
+    if (Facts(t.ptr(), &facts, true) == 1 && ReadLazy(t.ptr(), &lazy)) ++g_read;
     Py_INCREF(t.ptr());
     g_marked.push_back(t.ptr());
   });
@@ -45,9 +36,10 @@ void RegisterLeanBound(PyObject* module) {
     }
   });
   m.def("lean_after", [](py::handle record) {
+    const RecordPtr& tag = RecordArg(record.ptr());
     for (PyObject* t : g_marked) {
       if (HeldBuffer* b = TakeBuffer(ImplAddress(t))) g_in_flight.push_back(b);
-      if (Poison(t, record.ptr()) != 0) throw py::error_already_set();
+      if (Poison(t, tag) != 0) throw py::error_already_set();
       Py_DECREF(t);
     }
     g_marked.clear();

@@ -80,7 +80,8 @@ def child(windows: int) -> dict:
             torch_xla.sync(wait=False)
         del old
 
-    rates, collections = C.interleaved_rates(step, MODES, windows, STEPS, xm.wait_device_ops)
+    got = C.interleaved_rates(step, MODES, windows, STEPS, xm.wait_device_ops)
+    rates, collections = got["rates"], got["collections"]
     consumed, read, verdicts = _C.lean_settle()
     torch_xla.sync()
     rate = {m: C.median(r) for m, r in rates.items()}
@@ -102,12 +103,12 @@ def build_copy(dest: str) -> None:
     module = os.path.join(dest, "csrc", "module.cpp")
     with open(module) as f:
         text = f.read()
-    anchor = "  RegisterDeadInputs(m.ptr());\n"
+    anchor = "  RegisterDeadInputs(m);\n"
     if text.count(anchor) != 1 or text.count("PYBIND11_MODULE(_C, m) {") != 1:
         sys.exit("csrc/module.cpp changed: update tools/lean_bound/run.py's anchors")
-    text = text.replace(anchor, anchor + "  torch_xla_donate::RegisterLeanBound(m.ptr());\n")
+    text = text.replace(anchor, anchor + "  torch_xla_donate::RegisterLeanBound(m);\n")
     text = text.replace("PYBIND11_MODULE(_C, m) {",
-                        "namespace torch_xla_donate {\nvoid RegisterLeanBound(PyObject*);\n}\n"
+                        "namespace torch_xla_donate {\nvoid RegisterLeanBound(py::module_&);\n}\n"
                         "PYBIND11_MODULE(_C, m) {")
     with open(module, "w") as f:
         f.write(text)

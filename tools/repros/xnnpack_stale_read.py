@@ -15,7 +15,7 @@ matmul after a reuse with the buffer's *old* contents (an earlier VM of this
 project, 2026-11-23: 0.3925115 where the right value was 0.3925575, widths
 768 and 1024, not 256 or 512), and ``--xla_cpu_use_xnnpack=false`` makes
 every variant right.  torch_xla_donate adds that flag at import on the CPU
-backend (torch_xla_donate/_base/xla_cpu.py).
+backend (torch_xla_donate/_xla_cpu.py).
 
     PJRT_DEVICE=CPU python tools/repros/xnnpack_stale_read.py [--width 1024] [--xnnpack default]
     PJRT_DEVICE=CPU python tools/repros/xnnpack_stale_read.py --xnnpack off
