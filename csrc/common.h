@@ -1,7 +1,4 @@
-// What the native module's files share: the lists every enum and counter is
-// made from, the ledger's records and the Python faces of them.  How the
-// parts fit together, and why each reach below torch_xla's Python API is
-// safe: docs/design.md.
+// What the native module's files share: the enums' lists, the ledger, its records' Python faces.
 #pragma once
 
 #include <Python.h>
@@ -12,28 +9,29 @@
 #include <deque>
 #include <memory>
 #include <mutex>
-#include <unordered_map>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 namespace torch_xla_donate {
 
 namespace py = pybind11;
 
-// Each list is declared here once; the Python enums (module.cpp) and the
-// report's counters (report.py, from C.COUNTERS) are made from it.
+// Each list is declared here once; module.cpp makes the Python enums from them.
+// clang-format off
 #define TDX_VERDICTS(X)                                                                     \
   X(MARKED) X(IN_FLIGHT) X(REUSED) X(UNUSED) X(UPDATED_IN_PLACE) X(DROPPED) X(STEP_FAILED) \
-      X(DISABLED) X(LOST) X(CANCELLED)
+  X(DISABLED) X(LOST) X(CANCELLED)
 #define TDX_VIAS(X) X(DONATE_BUFFER) X(DONATE) X(DONATING) X(GRAPH_OP)
 // Why a tensor is not marked (marking.cpp Classify).
 #define TDX_REFUSALS(X)                                                                    \
   X(NONE) X(NOT_TENSOR) X(WRAPPER) X(POISONED) X(NEW_CLASS) X(NOT_XLA) X(VIEW) X(ZERO_DIM) \
-      X(OFF) X(UNDECIDED) X(WARN_FIRST) X(COMMITTING) X(PENDING) X(COPY) X(HELD)
+  X(OFF) X(UNDECIDED) X(WARN_FIRST) X(COMMITTING) X(PENDING) X(COPY) X(HELD)
 // What the commit made of a mark (commit.cpp Split).
 #define TDX_SPLITS(X) X(DONOR) X(HELD) X(COPY) X(EXCESS) X(UNREAD)
 // A step's counters, each a count and its bytes (StepStats).
 #define TDX_COUNTERS(X) X(donated) X(reused) X(unused) X(updated_in_place) X(dropped) X(failed) X(lost)
+// clang-format on
 
 #define TDX_MEMBER(name) name,
 enum class Verdict : int { TDX_VERDICTS(TDX_MEMBER) };
@@ -49,13 +47,25 @@ inline void Check(bool ok) {
   if (!ok) throw py::error_already_set();
 }
 
-using Dims = c10::SmallVector<int64_t, 6>;  // no allocation per record for most shapes
+// The heap types (entry.cpp, trampoline.cpp), and the end of their instances' dealloc.
+inline PyTypeObject* NewType(const char* name, size_t size, PyType_Slot* slots, unsigned flags) {
+  PyType_Spec spec = {name, static_cast<int>(size), 0, flags, slots};
+  auto* type = reinterpret_cast<PyTypeObject*>(PyType_FromSpec(&spec));
+  Check(type != nullptr);
+  return type;
+}
+inline void FreeInstance(PyObject* self) {
+  PyTypeObject* type = Py_TYPE(self);
+  type->tp_free(self);
+  Py_DECREF(type);
+}
+
+using Dims = c10::SmallVector<int64_t, 6>;           // no allocation per record for most shapes
 using FilePtr = std::shared_ptr<const std::string>;  // shared by a call site's records
 using DtypeName = const std::string*;                // interned: f32, bf16, pred, ...
 DtypeName InternDtype(const std::string& name);
 
-// One donation, also after its tensor is gone: the ledger's history and a
-// poisoned tensor's tag share it.
+// One donation, also after its tensor is gone (the ledger's history and a poisoned tensor's tag).
 struct Record {
   int64_t id = 0;
   int64_t step = -1;  // the execution that committed it
@@ -67,8 +77,7 @@ struct Record {
   Verdict verdict = Verdict::MARKED;
   Via via = Via::DONATE_BUFFER;
   int64_t version = -1;  // the version counter when marked (-1: none kept)
-  // The buffer a released or weakened entry keeps for the verdict (entry.cpp),
-  // let go once the verdict is in.
+  // The buffer a released or weakened entry keeps until the verdict (entry.cpp).
   std::unique_ptr<void, void (*)(void*)> held{nullptr, nullptr};
 
   std::string ShapeString() const;  // "f32[4,4]"
@@ -85,8 +94,7 @@ struct StepStats {
   std::vector<std::string> unused_shapes;
 };
 
-// The marks waiting for an execution, and what became of each donation.
-// Thread-safe; never calls Python.
+// The marks waiting for an execution, and what became of each donation.  Thread-safe; no Python.
 class Ledger {
  public:
   static constexpr size_t kHistorySteps = 64;
@@ -96,8 +104,7 @@ class Ledger {
   bool IsMarked(const py::handle& tensor) const;
   std::vector<py::object> MarkedTensors() const;
   size_t MarkedCount() const;
-  // Takes the marks (all, or those of the tensors `only`) into a new step,
-  // IN_FLIGHT, in marking order.
+  // Takes the marks (all, or those of `only`) into a new step, IN_FLIGHT, in marking order.
   int64_t BeginStep(std::vector<py::object>* tensors, std::vector<RecordPtr>* records,
                     const std::vector<PyObject*>* only = nullptr);
   // The final verdict of an IN_FLIGHT record (settled once only).
@@ -128,25 +135,20 @@ class Ledger {
 Ledger& GlobalLedger();
 RecordPtr NewRecord();
 
-// -- The Python faces (entry.cpp) ------------------------------------------
-// `_C.Record` wraps a RecordPtr.  `_C.Entry` is a committed donor's
-// (tensor, record) pair, untracked by the garbage collector; it keeps its
-// tensor, or (released) only the buffer for its verdict, or (weakened) the
-// buffer and a weak reference to the tensor the user still holds.
-PyObject* WrapRecord(RecordPtr record);      // new reference, or null with an error
-const RecordPtr& RecordArg(PyObject* o);     // throws py::type_error for no Record
+// -- entry.cpp: `_C.Record` wraps a RecordPtr; `_C.Entry` is a committed donor's (tensor, record),
+// untracked by the GC; released, it keeps only the buffer; weakened, also a weak tensor reference.
+PyObject* WrapRecord(RecordPtr record);   // new reference, or null with an error
+const RecordPtr& RecordArg(PyObject* o);  // throws py::type_error for no Record
 PyObject* NewEntry(PyObject* tensor, const RecordPtr& record);
-// The borrowed tensor (None once released or weakened) and record of an
-// Entry or a (tensor, Record) tuple; false for anything else.
+// An Entry's or (tensor, Record) tuple's borrowed tensor (None once released) and record.
 bool EntryParts(PyObject* o, PyObject** tensor, const RecordPtr** record);
 struct HeldBuffer;
 bool ReleaseEntryTensor(PyObject* entry, HeldBuffer* buffer);  // takes `buffer` if true
 bool WeakenEntryTensor(PyObject* entry, HeldBuffer* buffer);   // takes `buffer` if true
-void EntryLetGoOfDead(PyObject* entry);     // a weakened entry whose tensor died
-void WeakenedTensorDying(uintptr_t impl);  // from a poisoned tensor's finalizer
-const HeldBuffer* EntryBuffer(PyObject* entry);  // null: keeps none, or settled
+void EntryLetGoOfDead(PyObject* entry);                        // a weakened entry whose tensor died
+void WeakenedTensorDying(uintptr_t impl);                      // from a poisoned tensor's finalizer
+const HeldBuffer* EntryBuffer(PyObject* entry);                // null: keeps none, or settled
 bool EntryTensorAlive(PyObject* entry);  // its tensor still leads to its buffer
-PyObject* VerdictObject(Verdict v);      // new reference to the `_C.Verdict` member
 void RegisterEntries(py::module_& m);
 
 // Python objects bound at import (`_C.bind`, _native.py).

@@ -1,9 +1,5 @@
-// Dead step inputs (automatic donation, the advisor): device buffers the
-// coming barrier reads that nothing but the step's own IR holds any more.
-// The registry's pending tensors are the roots of a walk of their IR down to
-// the device_data nodes; a node's buffer is dead when its holders are the
-// node and this walk alone (docs/design.md, "Dead step inputs").  A miss
-// errs towards "held".
+// Dead step inputs (automatic donation, the advisor): buffers the coming barrier reads that only
+// its IR holds (its device_data node, and this walk).  A miss errs towards "held".
 #include <pybind11/stl.h>
 #include <torch/csrc/lazy/backend/backend_interface.h>
 #include <torch/csrc/lazy/core/ir.h>
@@ -22,16 +18,14 @@ using torch::lazy::BackendDataPtr;
 using torch::lazy::LazyTensor;
 using torch::lazy::Node;
 
-// One dead input: its buffer (held here from the search to its verdict)
-// and what describes it.
+// One dead input: its buffer (held from the search to its verdict) and what describes it.
 struct Dead {
   BackendDataPtr buffer;
   std::string node_text;  // the device-data node's ToString (its xla_shape)
   std::vector<std::tuple<std::string, std::string, int>> frames;  // file, function, line
 };
 
-// The result of one search, and of arming it.  Python keeps it from the
-// commit that armed it to its verdict (reused: the buffer has no value).
+// The result of one search; Python keeps it from the commit that armed it to its verdict.
 class DeadInputs {
  public:
   size_t live = 0, pending = 0, nodes = 0;
@@ -39,69 +33,56 @@ class DeadInputs {
   double seconds = 0;
   std::vector<Dead> dead;
 
-  size_t Size() const { return dead.size(); }
-
-  // (node text, frames) per dead input.
-  py::list Describe() const {
+  py::list Describe() const {  // (node text, frames) per dead input
     py::list out;
     for (const Dead& d : dead) out.append(py::make_tuple(d.node_text, py::cast(d.frames)));
     return out;
   }
 
-  // Points `carrier` at dead input `i`'s buffer (PointCarrier): Python then sets its donor flag and restores the carrier.
+  // Points `carrier` at dead input `i`'s buffer, for Python to arm and restore the carrier.
   bool Point(py::handle carrier, size_t i) {
     if (i >= dead.size()) throw py::index_error("no such dead input");
     return PointCarrier(carrier.ptr(), dead[i].buffer);
   }
 
-  // Per dead input: its buffer has no value any more (the step took it).
-  std::vector<bool> Consumed() const {
+  std::vector<bool> Consumed() const {  // per dead input: the step took its buffer
     std::vector<bool> out;
     out.reserve(dead.size());
     for (const Dead& d : dead) out.push_back(d.buffer && !d.buffer->HasValue());
     return out;
   }
 
-  // Keeps the dead inputs whose `mask` entry is true, releases the others.
   void Keep(const std::vector<bool>& mask) {
     if (mask.size() != dead.size()) throw py::value_error("mask differs in length");
     std::vector<Dead> kept;
-    for (size_t i = 0; i < dead.size(); ++i) {
+    for (size_t i = 0; i < dead.size(); ++i)
       if (mask[i]) kept.push_back(std::move(dead[i]));
-    }
     dead = std::move(kept);
   }
-
-  void Release() { dead.clear(); }
 };
 
-// Visits every node reachable from `roots` once (shared subgraphs once),
-// depth first; `visit(node)` returns whether to go on into its operands.
+// Visits each node reachable from `roots` once; `visit(node)`: whether to go into its operands.
 template <typename Visit>
 void VisitIr(const std::vector<torch::lazy::NodePtr>& roots, Visit visit) {
   std::unordered_set<const Node*> visited;
   std::vector<const Node*> stack;
-  for (const torch::lazy::NodePtr& root : roots) {
+  for (const torch::lazy::NodePtr& root : roots)
     if (visited.insert(root.get()).second) stack.push_back(root.get());
-  }
   while (!stack.empty()) {
     const Node* node = stack.back();
     stack.pop_back();
     if (!visit(node)) continue;
-    for (const torch::lazy::Output& operand : node->operands()) {
+    for (const torch::lazy::Output& operand : node->operands())
       if (operand.node && visited.insert(operand.node).second) stack.push_back(operand.node);
-    }
   }
 }
 
-// The search.  `describe`: keep each dead node's text
-// and source frames (torch lazy IR metadata; frames only with XLA_IR_DEBUG).
+// The search.  `describe`: keep each dead node's source frames (only with XLA_IR_DEBUG).
 std::unique_ptr<DeadInputs> FindDeadInputs(bool describe) {
   const auto start = std::chrono::steady_clock::now();
   auto out = std::make_unique<DeadInputs>();
   const c10::Symbol device_data = DeviceDataOp();
-  // The pending tensors' IR nodes, owned: the walk keeps each Data alive
-  // only while it is visited.
+  // The pending tensors' IR nodes, owned: the walk keeps each Data alive only while visited.
   std::vector<torch::lazy::NodePtr> roots, kept;
   std::unordered_set<const Node*> held_nodes;  // device-data nodes live tensors hold
   std::unordered_set<int64_t> outputs;         // ids of the pending tensors
@@ -119,15 +100,13 @@ std::unique_ptr<DeadInputs> FindDeadInputs(bool describe) {
         roots.push_back(data.ir_value.node);
         outputs.insert(data.unique_id);
       } else {
-        // A buffer and an IR value that is not device data: the barrier
-        // leaves it as it is, so whatever its IR reads stays needed.
+        // A buffer and IR that is not device data: the barrier leaves it, so its IR's reads stay.
         kept.push_back(reinterpret_cast<const LazyTensor::Data*>(t.data)->ir_value.node);
       }
     });
   }
   if (!walked) throw py::value_error("the live-tensor registry walk is off");
   out->pending = roots.size();
-  // The roots' IR, walked down to device data.
   const torch::lazy::BackendImplInterface* backend = torch::lazy::getBackend();
   // IR the barrier does not compute: every device-data node it reads is held.
   VisitIr(kept, [&](const Node* node) {
@@ -135,8 +114,7 @@ std::unique_ptr<DeadInputs> FindDeadInputs(bool describe) {
     return true;
   });
   std::unordered_set<const torch::lazy::BackendData*> seen;
-  // A device-data node ends its branch: dead or not, the walk does not go
-  // below it.
+  // A device-data node ends its branch, dead or not.
   VisitIr(roots, [&](const Node* node) {
     ++out->nodes;
     if (node->op().op != device_data) return true;
@@ -145,9 +123,7 @@ std::unique_ptr<DeadInputs> FindDeadInputs(bool describe) {
     if (!buffer || !seen.insert(buffer.get()).second) return false;
     // The node's own holder and this copy: nothing else.
     if (buffer.use_count() != 2 || !buffer->HasValue()) return false;
-    // An input torch_xla aliases to an output itself (updated in place
-    // without functionalization).  Under functionalization such an input
-    // is armed too, which changes nothing: torch_xla merges both donor sets.
+    // torch_xla aliases it to an output itself (arming it too would change nothing).
     auto* info = dynamic_cast<torch::lazy::LazyGraphExecutor::DeviceDataInfo*>(buffer->info());
     if (info != nullptr && !info->read_only && outputs.count(info->tensor_id)) {
       ++out->aliased;
@@ -156,11 +132,9 @@ std::unique_ptr<DeadInputs> FindDeadInputs(bool describe) {
     Dead d;
     d.buffer = std::move(buffer);
     d.node_text = node->ToString();
-    if (describe) {
-      for (const auto& f : node->metadata().frame_info) {
+    if (describe)
+      for (const auto& f : node->metadata().frame_info)
         d.frames.emplace_back(f.file, f.function, f.line);
-      }
-    }
     out->dead.push_back(std::move(d));
     return false;
   });
@@ -172,7 +146,7 @@ std::unique_ptr<DeadInputs> FindDeadInputs(bool describe) {
 
 void RegisterDeadInputs(py::module_& m) {
   py::class_<DeadInputs>(m, "DeadInputs")
-      .def("__len__", &DeadInputs::Size)
+      .def("__len__", [](const DeadInputs& d) { return d.dead.size(); })
       .def_readonly("live", &DeadInputs::live, "live XLA tensors walked")
       .def_readonly("pending", &DeadInputs::pending, "of them pending (the IR roots)")
       .def_readonly("nodes", &DeadInputs::nodes, "IR nodes visited")
@@ -182,9 +156,9 @@ void RegisterDeadInputs(py::module_& m) {
       .def("point", &DeadInputs::Point, py::arg("carrier"), py::arg("index"))
       .def("consumed", &DeadInputs::Consumed)
       .def("keep", &DeadInputs::Keep, py::arg("mask"))
-      .def("release", &DeadInputs::Release);
+      .def("release", [](DeadInputs& d) { d.dead.clear(); });
   m.def("find_dead_inputs", &FindDeadInputs, py::arg("describe") = false,
-        "The device buffers the pending IR reads that nothing else holds (dead_inputs.h).");
+        "The device buffers the pending IR reads that nothing else holds.");
 }
 
 }  // namespace torch_xla_donate

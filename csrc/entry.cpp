@@ -1,7 +1,5 @@
-// `_C.Record` and `_C.Entry`: small native types, not pybind11 classes (a
-// step makes one Entry per donor; a pybind11 instance costs several times
-// more to make and to read).  An Entry makes its Record object only when
-// Python asks for it.
+// `_C.Record` and `_C.Entry`: CPython types, not pybind11 classes (a step makes one Entry per
+// donor; a pybind11 instance costs several times more).  An Entry makes its Record lazily.
 #include <new>
 
 #include "common.h"
@@ -15,8 +13,6 @@ PyTypeObject* g_entry_type = nullptr;
 PyObject* g_verdicts[kVerdictCount] = {};  // the `_C.Verdict` members
 PyObject* g_vias[kViaCount] = {};          // the `_C.Via` members
 
-// -- Record ----------------------------------------------------------------
-
 struct PyRecord {
   PyObject_HEAD RecordPtr record;
 };
@@ -25,26 +21,21 @@ const Record& R(PyObject* self) { return *reinterpret_cast<PyRecord*>(self)->rec
 
 void RecordDealloc(PyObject* self) {
   reinterpret_cast<PyRecord*>(self)->record.~RecordPtr();
-  PyTypeObject* type = Py_TYPE(self);
-  type->tp_free(self);
-  Py_DECREF(type);
+  FreeInstance(self);
 }
 
 PyObject* Str(const std::string& s) { return PyUnicode_FromStringAndSize(s.data(), s.size()); }
-PyObject* Member(PyObject* o) {
-  Py_INCREF(o);
-  return o;
-}
 
-PyObject* GetId(PyObject* self, void*) { return PyLong_FromLongLong(R(self).id); }
-PyObject* GetStep(PyObject* self, void*) { return PyLong_FromLongLong(R(self).step); }
+template <auto Field>
+PyObject* GetInt(PyObject* self, void*) {
+  return PyLong_FromLongLong(R(self).*Field);
+}
 PyObject* GetFile(PyObject* self, void*) { return Str(*R(self).file); }
-PyObject* GetLine(PyObject* self, void*) { return PyLong_FromLong(R(self).line); }
 PyObject* GetDtype(PyObject* self, void*) { return Str(R(self).dtype ? *R(self).dtype : ""); }
-PyObject* GetNbytes(PyObject* self, void*) { return PyLong_FromLongLong(R(self).nbytes); }
-PyObject* GetVerdict(PyObject* self, void*) { return VerdictObject(R(self).verdict); }
-PyObject* GetVia(PyObject* self, void*) { return Member(g_vias[static_cast<int>(R(self).via)]); }
-PyObject* GetVersion(PyObject* self, void*) { return PyLong_FromLongLong(R(self).version); }
+PyObject* GetVerdict(PyObject* self, void*) {
+  return Py_NewRef(g_verdicts[static_cast<int>(R(self).verdict)]);
+}
+PyObject* GetVia(PyObject* self, void*) { return Py_NewRef(g_vias[static_cast<int>(R(self).via)]); }
 PyObject* GetShapeString(PyObject* self, void*) { return Str(R(self).ShapeString()); }
 PyObject* GetWhere(PyObject* self, void*) {
   return Str(*R(self).file + ":" + std::to_string(R(self).line));
@@ -54,8 +45,10 @@ PyObject* GetShape(PyObject* self, void*) {
   PyObject* t = PyTuple_New(static_cast<Py_ssize_t>(shape.size()));
   for (size_t i = 0; t && i < shape.size(); ++i) {
     PyObject* d = PyLong_FromLongLong(shape[i]);
-    if (!d) Py_CLEAR(t);
-    else PyTuple_SET_ITEM(t, static_cast<Py_ssize_t>(i), d);
+    if (!d)
+      Py_CLEAR(t);
+    else
+      PyTuple_SET_ITEM(t, static_cast<Py_ssize_t>(i), d);
   }
   return t;
 }
@@ -71,22 +64,22 @@ PyObject* RecordRepr(PyObject* self) {
 }
 
 PyGetSetDef kRecordGetters[] = {
-    {"id", GetId, nullptr, "Unique number of this donation.", nullptr},
-    {"step", GetStep, nullptr, "The execution that committed it (-1: not yet).", nullptr},
+    {"id", GetInt<&Record::id>, nullptr, "Unique number of this donation.", nullptr},
+    {"step", GetInt<&Record::step>, nullptr, "The execution that committed it (-1: not yet).",
+     nullptr},
     {"file", GetFile, nullptr, "File of the call that marked it.", nullptr},
-    {"line", GetLine, nullptr, "Line of the call that marked it.", nullptr},
+    {"line", GetInt<&Record::line>, nullptr, "Line of the call that marked it.", nullptr},
     {"where", GetWhere, nullptr, "'file:line' of the call that marked it.", nullptr},
     {"shape", GetShape, nullptr, "Shape of the donated tensor.", nullptr},
     {"dtype", GetDtype, nullptr, "XLA's dtype name (f32, bf16, s64, ...).", nullptr},
     {"shape_string", GetShapeString, nullptr, "e.g. 'f32[4,4]'.", nullptr},
-    {"nbytes", GetNbytes, nullptr, "Size of the donated buffer in bytes.", nullptr},
+    {"nbytes", GetInt<&Record::nbytes>, nullptr, "Size of the donated buffer in bytes.", nullptr},
     {"verdict", GetVerdict, nullptr, "What became of the donation (Verdict).", nullptr},
     {"via", GetVia, nullptr, "The call that marked it (Via).", nullptr},
-    {"version", GetVersion, nullptr, "The version counter when marked (-1: none).", nullptr},
+    {"version", GetInt<&Record::version>, nullptr, "The version counter when marked (-1: none).",
+     nullptr},
     {nullptr, nullptr, nullptr, nullptr, nullptr},
 };
-
-// -- Entry -----------------------------------------------------------------
 
 struct PyEntry {
   PyObject_HEAD PyObject* tensor;  // None once released or weakened
@@ -105,9 +98,7 @@ PyObject* RecordObject(PyEntry* e) {  // borrowed
   return e->record;
 }
 
-// The weakened entries by their tensor's TensorImpl (WeakenedTensorDying).
-// A key cannot be reused while here: the entry's weak reference keeps its
-// memory.  The GIL guards it.
+// Weakened entries by TensorImpl, a key kept from reuse by the entry's weak reference; GIL-guarded.
 std::unordered_map<uintptr_t, PyEntry*> g_weakened;
 
 void DropWeak(PyEntry* e) {
@@ -122,8 +113,7 @@ bool KeepBufferOnRecord(PyObject* entry, HeldBuffer* buffer, uintptr_t weak) {
   e->buffer_on_record = true;
   e->weak = weak;
   if (weak != 0) g_weakened[weak] = e;
-  Py_INCREF(Py_None);
-  Py_SETREF(e->tensor, Py_None);  // frees a released donor; a weakened one lives on
+  Py_SETREF(e->tensor, Py_NewRef(Py_None));  // frees a released donor; a weakened one lives on
   return true;
 }
 
@@ -134,9 +124,7 @@ void EntryDealloc(PyObject* self) {
   Py_CLEAR(e->tensor);
   Py_CLEAR(e->record);
   e->native.~RecordPtr();
-  PyTypeObject* type = Py_TYPE(self);
-  type->tp_free(self);
-  Py_DECREF(type);
+  FreeInstance(self);
 }
 
 PyObject* EntryTensorRef(PyEntry* e) {  // new reference: the weakened one while it lives
@@ -145,7 +133,7 @@ PyObject* EntryTensorRef(PyEntry* e) {  // new reference: the weakened one while
     if (t != nullptr || PyErr_Occurred()) return t;
     Py_RETURN_NONE;
   }
-  return Member(e->tensor);
+  return Py_NewRef(e->tensor);
 }
 
 Py_ssize_t EntryLength(PyObject*) { return 2; }
@@ -156,14 +144,10 @@ PyObject* EntryItem(PyObject* self, Py_ssize_t i) {
     PyErr_SetString(PyExc_IndexError, "an entry is (tensor, record)");
     return nullptr;
   }
-  if (i == 0) return EntryTensorRef(e);
-  PyObject* record = RecordObject(e);
-  Py_XINCREF(record);
-  return record;
+  return i == 0 ? EntryTensorRef(e) : Py_XNewRef(RecordObject(e));
 }
 
-// `t, record = entry`: a tuple's iterator, which ends without the
-// IndexError the sequence protocol raises and clears.
+// `t, record = entry`: a tuple's iterator, without the sequence protocol's IndexError.
 PyObject* EntryIter(PyObject* self) {
   auto* e = reinterpret_cast<PyEntry*>(self);
   PyObject* record = RecordObject(e);
@@ -180,14 +164,6 @@ PyObject* EntryIter(PyObject* self) {
 PyObject* EntryRepr(PyObject* self) {
   PyObject* record = RecordObject(reinterpret_cast<PyEntry*>(self));
   return record ? PyUnicode_FromFormat("<entry %R>", record) : nullptr;
-}
-
-PyTypeObject* NewType(const char* name, size_t size, PyType_Slot* slots) {
-  PyType_Spec spec = {name, static_cast<int>(size), 0,
-                      Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION, slots};
-  auto* type = reinterpret_cast<PyTypeObject*>(PyType_FromSpec(&spec));
-  Check(type != nullptr);
-  return type;
 }
 
 PyType_Slot kRecordSlots[] = {
@@ -210,8 +186,6 @@ PyType_Slot kEntrySlots[] = {
 
 }  // namespace
 
-PyObject* VerdictObject(Verdict v) { return Member(g_verdicts[static_cast<int>(v)]); }
-
 PyObject* WrapRecord(RecordPtr record) {
   PyObject* o = g_record_type->tp_alloc(g_record_type, 0);
   if (o) new (&reinterpret_cast<PyRecord*>(o)->record) RecordPtr(std::move(record));
@@ -227,11 +201,8 @@ PyObject* NewEntry(PyObject* tensor, const RecordPtr& record) {
   PyObject* o = g_entry_type->tp_alloc(g_entry_type, 0);
   if (!o) return nullptr;
   auto* e = reinterpret_cast<PyEntry*>(o);
-  e->tensor = Member(tensor);
-  new (&e->native) RecordPtr(record);
-  e->record = nullptr;
-  e->weak = 0;
-  e->buffer_on_record = false;
+  e->tensor = Py_NewRef(tensor);
+  new (&e->native) RecordPtr(record);  // the other fields: zeroed by tp_alloc
   return o;
 }
 
@@ -276,22 +247,20 @@ void WeakenedTensorDying(uintptr_t impl) {
 
 const HeldBuffer* EntryBuffer(PyObject* entry) {
   PyEntry* e = AsEntry(entry);
-  return e && e->buffer_on_record ? static_cast<const HeldBuffer*>(e->native->held.get())
-                                  : nullptr;
+  return e && e->buffer_on_record ? static_cast<const HeldBuffer*>(e->native->held.get()) : nullptr;
 }
 
 bool EntryTensorAlive(PyObject* entry) {
   PyEntry* e = AsEntry(entry);
-  if (!e || !e->buffer_on_record) return true;
-  return e->weak != 0 && WeakTensorAlive(e->weak);
+  return !e || !e->buffer_on_record || (e->weak != 0 && WeakTensorAlive(e->weak));
 }
 
 void RegisterEntries(py::module_& m) {
-  for (int v = 0; v < kVerdictCount; ++v)
-    g_verdicts[v] = m.attr("Verdict")(v).release().ptr();
+  for (int v = 0; v < kVerdictCount; ++v) g_verdicts[v] = m.attr("Verdict")(v).release().ptr();
   for (int v = 0; v < kViaCount; ++v) g_vias[v] = m.attr("Via")(v).release().ptr();
-  g_record_type = NewType("torch_xla_donate._C.Record", sizeof(PyRecord), kRecordSlots);
-  g_entry_type = NewType("torch_xla_donate._C.Entry", sizeof(PyEntry), kEntrySlots);
+  const unsigned flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION;
+  g_record_type = NewType("torch_xla_donate._C.Record", sizeof(PyRecord), kRecordSlots, flags);
+  g_entry_type = NewType("torch_xla_donate._C.Entry", sizeof(PyEntry), kEntrySlots, flags);
   m.attr("Record") = py::handle(reinterpret_cast<PyObject*>(g_record_type));
   m.attr("Entry") = py::handle(reinterpret_cast<PyObject*>(g_entry_type));
 }

@@ -1,6 +1,4 @@
-// For the files that read torch's lazy-tensor types themselves
-// (xla_reads.cpp, live_tensors.cpp, dead_inputs.cpp): heavy includes, keep
-// them out of the others.
+// For the files that read torch's lazy-tensor types themselves: heavy includes, kept from others.
 #pragma once
 
 #include <ATen/core/symbol.h>
@@ -11,11 +9,10 @@
 
 namespace torch_xla_donate {
 
-// The LazyTensor of the XLA tensor at `impl`: null when the layout guard
-// declines it (xla_reads.cpp).
+// The LazyTensor of the XLA tensor at `impl`: null when the layout guard declines it.
 torch::lazy::LazyTensor* XlaLazyTensorOf(uintptr_t impl, bool* functional);
 bool PointCarrier(PyObject* carrier, const torch::lazy::BackendDataPtr& buffer);
-const c10::Symbol& DeviceDataOp();    // `xla::device_data`
+const c10::Symbol& DeviceDataOp();        // `xla::device_data`
 std::string Demangled(const char* name);  // for the RTTI guards
 
 }  // namespace torch_xla_donate

@@ -20,10 +20,7 @@ std::string Record::ShapeString() const {
 }
 
 namespace {
-// Records (with their shared_ptr's control block) come from a free list: a
-// step marks and settles hundreds, more than malloc's per-thread cache
-// keeps, and malloc's slower bins cost about 400 instructions a record
-// (benchmarks/README.md, "Native optimizations").  Bounded; never freed.
+// Records come from a bounded free list, never freed: a step makes more than malloc's cache keeps.
 struct RecordBlocks {
   std::mutex mu;
   std::vector<void*> free;
@@ -70,9 +67,13 @@ struct RecordAllocator {
     ::operator delete(p);
   }
   template <class U>
-  bool operator==(const RecordAllocator<U>&) const { return true; }
+  bool operator==(const RecordAllocator<U>&) const {
+    return true;
+  }
   template <class U>
-  bool operator!=(const RecordAllocator<U>&) const { return false; }
+  bool operator!=(const RecordAllocator<U>&) const {
+    return false;
+  }
 };
 }  // namespace
 

@@ -1,8 +1,5 @@
-// torch_xla's registry of live XLA tensors, walked natively: torch's
-// DeviceContextArena, whose address _xla.py finds in _XLAC.so's symbol table
-// (docs/design.md, "The live-tensor registry").  A copy made from a donor
-// since the last barrier reads the donor's device_data node; only the
-// registry shows it.
+// torch_xla's registry of live tensors, walked natively (docs/design.md, "The live-tensor
+// registry").
 #include <pybind11/stl.h>
 #include <torch/csrc/lazy/backend/backend_interface.h>
 #include <torch/csrc/lazy/core/ir.h>
@@ -20,8 +17,7 @@ namespace {
 
 using torch::lazy::LazyTensor;
 
-// DeviceContextArena and its walk are protected members of
-// LazyGraphExecutor: named through these accessors, never instantiated.
+// DeviceContextArena and its walk are protected: named through these accessors, never made.
 struct ExecutorAccess : torch::lazy::LazyGraphExecutor {
   using ArenaType = torch::lazy::LazyGraphExecutor::DeviceContextArena;
 };
@@ -58,13 +54,17 @@ std::string ArenaTypeName(uintptr_t address) {
   }
 }
 
+bool WalkWithoutGil(const std::function<void(const LiveTensor&)>& visit) {
+  py::gil_scoped_release no_gil;
+  return ForEachLiveTensor(visit);
+}
+
 }  // namespace
 
 bool ForEachLiveTensor(const std::function<void(const LiveTensor&)>& visit) {
   const uintptr_t arena = g_arena.load(std::memory_order_acquire);
   if (arena == 0) return false;
-  // A tensor dying while its device's lock is held unregisters under that
-  // lock: each one looked at is kept alive until the locks are released.
+  // A tensor dying under its device's lock would unregister under it: each is kept until unlocked.
   std::vector<std::shared_ptr<LazyTensor::Data>> alive;
   ArenaAccess::ForAll(reinterpret_cast<Arena*>(arena), [&](ArenaAccess::DeviceContext* ctx) {
     std::lock_guard<std::mutex> lock(ctx->lock);
@@ -92,9 +92,9 @@ bool DonorKeyOfFacts(const LazyFacts& facts, DonorKey* key) {
 bool SameStepCopies(const std::vector<DonorKey>& donors, const std::vector<int64_t>& skip,
                     std::vector<std::vector<int64_t>>* out) {
   out->assign(donors.size(), {});
-  using Key = std::pair<uintptr_t, size_t>;  // (node or buffer, donor)
+  using Key = std::pair<uintptr_t, size_t>;   // (node or buffer, donor)
   std::vector<Key> nodes, buffers, borrowed;  // borrowed: match live handles too
-  std::vector<int64_t> ids(skip);  // donated together, or skipped
+  std::vector<int64_t> ids(skip);             // donated together, or skipped
   for (auto* k : {&nodes, &buffers, &borrowed}) k->reserve(donors.size());
   ids.reserve(skip.size() + donors.size());
   for (size_t i = 0; i < donors.size(); ++i) {
@@ -106,8 +106,7 @@ bool SameStepCopies(const std::vector<DonorKey>& donors, const std::vector<int64
     if (d.ir_node != 0) nodes.emplace_back(d.ir_node, i);
   }
   if (buffers.empty()) return g_arena.load() != 0;
-  // Sorted at the first live tensor that needs a lookup: in the common step
-  // none does (each has a buffer of its own, or is pending).
+  // Sorted at the first live tensor needing a lookup: in the common step none does.
   bool sorted = false;
   auto record = [&](const std::vector<Key>& keys, uintptr_t key, int64_t id) {
     if (!sorted) {
@@ -157,26 +156,20 @@ std::vector<long> ExcessHolders(const std::vector<LazyFacts>& facts) {
 }
 
 void RegisterLiveTensors(py::module_& m) {
-  m.attr("LIVE_ARENA_TYPE") = kArenaName;
   m.def(
       "live_set_arena",
       [](uintptr_t arena) -> std::string {
         const std::string name = ArenaTypeName(arena);
         const bool ok = arena == 0 || name == kArenaName;
         g_arena.store(ok ? arena : 0, std::memory_order_release);
-        return ok ? "" : "the object at the arena's address is a '" + name + "', not a " +
-                             kArenaName;
+        return ok ? ""
+                  : "the object at the arena's address is a '" + name + "', not a " + kArenaName;
       },
       py::arg("arena"), "Accepts the arena at `arena` (its RTTI checked): '' or why not.");
   m.def("live_arena", []() { return g_arena.load(); }, "The accepted arena; 0: walk off.");
   m.def("live_tensors", []() -> py::object {
     std::vector<LiveTensor> all;
-    bool on;
-    {
-      py::gil_scoped_release no_gil;
-      on = ForEachLiveTensor([&](const LiveTensor& t) { all.push_back(t); });
-    }
-    if (!on) return py::none();
+    if (!WalkWithoutGil([&](const LiveTensor& t) { all.push_back(t); })) return py::none();
     py::list out;
     for (const LiveTensor& t : all)
       out.append(py::make_tuple(t.tensor_id, t.handle, t.ir_node, t.ir_is_device_data,
@@ -185,12 +178,8 @@ void RegisterLiveTensors(py::module_& m) {
   });
   m.def("live_count", []() -> py::object {
     size_t n = 0;
-    bool on;
-    {
-      py::gil_scoped_release no_gil;
-      on = ForEachLiveTensor([&](const LiveTensor&) { ++n; });
-    }
-    return on ? py::object(py::int_(n)) : py::none();
+    if (!WalkWithoutGil([&](const LiveTensor&) { ++n; })) return py::none();
+    return py::int_(n);
   });
   m.def(
       "same_step_copies",
@@ -205,19 +194,15 @@ void RegisterLiveTensors(py::module_& m) {
           keys[i].match_handle = with_handles;
         }
         std::vector<std::vector<int64_t>> found;
-        bool on;
-        {
-          py::gil_scoped_release no_gil;
-          on = SameStepCopies(keys, {}, &found);
-        }
-        if (!on) return py::none();
+        if (![&] {
+              py::gil_scoped_release no_gil;
+              return SameStepCopies(keys, {}, &found);
+            }())
+          return py::none();
         py::dict out;  // sparse: the donors with copies, or unreadable (None)
-        for (size_t i = 0; i < n; ++i) {
-          if (!read[i])
-            out[py::int_(i)] = py::none();
-          else if (!found[i].empty())
-            out[py::int_(i)] = py::cast(found[i]);
-        }
+        for (size_t i = 0; i < n; ++i)
+          if (!read[i] || !found[i].empty())
+            out[py::int_(i)] = read[i] ? py::cast(found[i]) : py::object(py::none());
         return std::move(out);
       },
       py::arg("donors"), py::arg("with_handles") = false,

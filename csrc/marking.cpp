@@ -1,8 +1,8 @@
-// Marking: every rule of what can be marked in one function (Classify), the
-// mark itself, and the state marking reads: the switches and the commit
-// lock, both owned here.
+// Marking: every rule of what can be marked (Classify), the mark, and the state marking reads
+// (the switches and the commit lock, owned here).
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <thread>
@@ -12,21 +12,25 @@
 namespace torch_xla_donate {
 namespace {
 
-// -- The switches: set from Python (configure, the guards, XLA_ENABLE_PARAM_
-// ALIASING, a StaleReadWarning owed), read here and there.
+// -- The switches: set from Python (configure, the guards, the environment).
 struct Switches {
   bool enabled = true, strict = false, auto_ = false;
   bool hooks_in = false;  // without the step hook nothing would commit a mark
   bool aliasing = true;   // torch_xla's XLA_ENABLE_PARAM_ALIASING
   bool decided = false;   // the guards ran
   bool warn_first = false;
-  std::string failure;    // the guard that failed, if one did: donation off
+  std::string failure;  // the guard that failed, if one did: donation off
   bool on() const { return enabled && aliasing && failure.empty(); }
 };
 Switches g_switches;
+constexpr std::pair<const char*, bool Switches::*> kFlags[] = {
+    {"enabled", &Switches::enabled},      {"strict", &Switches::strict},
+    {"auto", &Switches::auto_},           {"hooks_in", &Switches::hooks_in},
+    {"aliasing", &Switches::aliasing},    {"decided", &Switches::decided},
+    {"warn_first", &Switches::warn_first}};
 
-// -- The commit lock: re-entrant, waited for without the GIL.  A mark made
-// while another thread commits waits for it (COMMITTING).
+// -- The commit lock: re-entrant, waited for without the GIL; a mark made while another thread
+// commits waits for it (COMMITTING).
 struct CommitLock {
   std::mutex mu;
   std::condition_variable free;
@@ -61,8 +65,7 @@ CommitLock& Lock() {
   return *lock;
 }
 
-// A buffer torch_xla files under an older tensor is a copy's (made since the
-// last barrier, it reads its source's buffer until the next one).
+// A buffer torch_xla files under an older tensor is a copy's (made since the last barrier).
 bool OwnsItsBuffer(const LazyFacts& f) {
   if (!f.has_value) return true;
   int64_t owner;
@@ -75,8 +78,7 @@ bool OwnsItsBuffer(const LazyFacts& f) {
   return owner == -1 || owner >= f.tensor_id;
 }
 
-// The rules of metadata alone (device, view, scalar), also for a FakeTensor
-// while dynamo traces.
+// The rules of metadata alone (device, view, scalar), also for a FakeTensor while dynamo traces.
 Refusal ClassifyMeta(PyObject* t, TensorFacts* facts) {
   const uintptr_t impl = ImplAddress(t);
   if (impl == 0) return Refusal::NOT_TENSOR;
@@ -88,8 +90,7 @@ Refusal ClassifyMeta(PyObject* t, TensorFacts* facts) {
   return Refusal::NONE;
 }
 
-// Every rule of marking, in order; fills `record` when it returns NONE.
-// `held_ok`: Python judged the tensor's aliases and they may go with it.
+// Every rule of marking, in order; fills `record` for NONE.  `held_ok`: its aliases may go with it.
 Refusal Classify(PyObject* t, bool held_ok, bool locked, Record* record) {
   if (!IsTensor(t)) return Refusal::NOT_TENSOR;
   if (IsDonatedType(t)) return Refusal::POISONED;
@@ -135,9 +136,8 @@ int IntArg(PyObject* const* args, Py_ssize_t nargs, Py_ssize_t i, int fallback, 
   return static_cast<int>(v);
 }
 
-// donate_buffer(tensor): the public call, one native call when it marks.  A
-// refusal goes to Python (_marking.refused), which words it or resolves it
-// and marks: the one call into Python on this path, and only on a refusal.
+// donate_buffer(tensor): one native call when it marks; a refusal goes to Python
+// (_marking.refused), which words or resolves it: the path's one call into Python.
 PyObject* DonateBuffer(PyObject*, PyObject* t) {
   if (!g_hooks.on_refusal) {
     PyErr_SetString(PyExc_RuntimeError, "import torch_xla_donate before its _C");
@@ -160,7 +160,8 @@ PyObject* DonateBuffer(PyObject*, PyObject* t) {
 // try_mark(tensor, via=0, where=1, held_ok=False, locked=False) -> Refusal
 PyObject* TryMark(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs < 1 || nargs > 5) {
-    PyErr_SetString(PyExc_TypeError, "try_mark(tensor, via=0, where=1, held_ok=False, locked=False)");
+    PyErr_SetString(PyExc_TypeError,
+                    "try_mark(tensor, via=0, where=1, held_ok=False, locked=False)");
     return nullptr;
   }
   const int via = IntArg(args, nargs, 1, 0, kViaCount);
@@ -169,14 +170,14 @@ PyObject* TryMark(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   const Refusal r = Classify(args[0], nargs > 3 && PyObject_IsTrue(args[3]) == 1,
                              nargs > 4 && PyObject_IsTrue(args[4]) == 1, record.get());
   static PyObject* const kCaller = PyLong_FromLong(1);
-  if (r == Refusal::NONE && !MarkNow(args[0], std::move(record), nargs > 2 ? args[2] : kCaller,
-                                     static_cast<Via>(via)))
+  if (r == Refusal::NONE &&
+      !MarkNow(args[0], std::move(record), nargs > 2 ? args[2] : kCaller, static_cast<Via>(via)))
     return nullptr;
   return PyLong_FromLong(static_cast<long>(r));
 }
 
-// try_mark_all(tensors, via, where, locked=False) -> (0, marked count) or
-// (refusal, index): all or nothing, scalars skipped.
+// try_mark_all(tensors, via, where, locked=False) -> (0, count) or (refusal, index); scalars
+// skipped.
 PyObject* TryMarkAll(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs < 3 || nargs > 4 || !PyList_Check(args[0])) {
     PyErr_SetString(PyExc_TypeError, "try_mark_all(list_of_tensors, via, where, locked=False)");
@@ -231,8 +232,7 @@ void RegisterMarking(py::module_& m) {
   m.def(
       "mark_graph_op",
       [](py::handle t, py::handle where, bool with_version) {
-        // A compiled graph's own donation: judged while dynamo traced and by
-        // the commit that takes it.
+        // A compiled graph's own: judged while dynamo traced and by the commit that takes it.
         TensorFacts facts;
         if (Facts(t.ptr(), &facts) != 1 || facts.symbolic_sizes)
           throw py::type_error("mark_graph_op() needs a tensor of a concrete shape");
@@ -272,16 +272,10 @@ void RegisterMarking(py::module_& m) {
       [](py::kwargs kwargs) {
         for (auto [key, value] : kwargs) {
           const std::string name = py::str(key);
-          bool* flag = name == "enabled"      ? &g_switches.enabled
-                       : name == "strict"     ? &g_switches.strict
-                       : name == "auto"       ? &g_switches.auto_
-                       : name == "hooks_in"   ? &g_switches.hooks_in
-                       : name == "aliasing"   ? &g_switches.aliasing
-                       : name == "decided"    ? &g_switches.decided
-                       : name == "warn_first" ? &g_switches.warn_first
-                                              : nullptr;
-          if (flag)
-            *flag = value.cast<bool>();
+          auto flag = std::find_if(std::begin(kFlags), std::end(kFlags),
+                                   [&](const auto& f) { return name == f.first; });
+          if (flag != std::end(kFlags))
+            g_switches.*flag->second = value.cast<bool>();
           else if (name == "failure")
             g_switches.failure = value.is_none() ? "" : value.cast<std::string>();
           else
@@ -290,24 +284,23 @@ void RegisterMarking(py::module_& m) {
       },
       "Sets the switches given by name (the owner of each: _config.py, _guards.py).");
   m.def("switches", []() {
-    const Switches& s = g_switches;
     py::dict d;
-    d["enabled"] = s.enabled;
-    d["strict"] = s.strict;
-    d["auto"] = s.auto_;
-    d["hooks_in"] = s.hooks_in;
-    d["aliasing"] = s.aliasing;
-    d["decided"] = s.decided;
-    d["warn_first"] = s.warn_first;
-    d["failure"] = s.failure.empty() ? py::object(py::none()) : py::str(s.failure);
-    d["on"] = s.on();
+    for (const auto& [name, flag] : kFlags) d[name] = g_switches.*flag;
+    d["failure"] =
+        g_switches.failure.empty() ? py::object(py::none()) : py::str(g_switches.failure);
+    d["on"] = g_switches.on();
     return d;
   });
   py::class_<CommitLock, std::unique_ptr<CommitLock, py::nodelete>>(m, "CommitLock")
       .def("acquire", &CommitLock::Acquire)
       .def("release", &CommitLock::Release)
-      .def("__enter__", [](CommitLock& l) -> CommitLock& { l.Acquire(); return l; },
-           py::return_value_policy::reference)
+      .def(
+          "__enter__",
+          [](CommitLock& l) -> CommitLock& {
+            l.Acquire();
+            return l;
+          },
+          py::return_value_policy::reference)
       .def("__exit__", [](CommitLock& l, py::args) { l.Release(); })
       .def_property_readonly("depth", [](CommitLock& l) { return l.depth.load(); });
   m.attr("lock") = py::cast(&Lock(), py::return_value_policy::reference);

@@ -1,5 +1,4 @@
-// torch_xla_donate._C: the enums made from common.h's lists, the ledger's
-// bindings and the hooks; each file registers the rest itself.
+// torch_xla_donate._C: the enums, the ledger's bindings and the hooks; files register the rest.
 #include <pybind11/stl.h>
 
 #include "reads.h"
@@ -15,28 +14,19 @@ using namespace torch_xla_donate;
 
 namespace {
 
-#define TDX_NAME(name) #name,
-const char* const kVerdicts[] = {TDX_VERDICTS(TDX_NAME)};
-const char* const kVias[] = {TDX_VIAS(TDX_NAME)};
-const char* const kRefusals[] = {TDX_REFUSALS(TDX_NAME)};
-const char* const kSplits[] = {TDX_SPLITS(TDX_NAME)};
-const char* const kCounters[] = {TDX_COUNTERS(TDX_NAME)};
-#undef TDX_NAME
-
-template <size_t N>
-void AddEnum(py::module_& m, const char* name, const char* const (&members)[N], const char* doc) {
+void AddEnum(py::module_& m, const char* name, std::vector<const char*> members, const char* doc) {
   py::list items;
-  for (size_t i = 0; i < N; ++i) items.append(py::make_tuple(members[i], i));
-  py::object e = py::module_::import("enum").attr("IntEnum")(name, items,
-                                                             py::arg("module") = "torch_xla_donate._C");
+  for (size_t i = 0; i < members.size(); ++i) items.append(py::make_tuple(members[i], i));
+  py::object e = py::module_::import("enum").attr("IntEnum")(
+      name, items, py::arg("module") = "torch_xla_donate._C");
   e.attr("__doc__") = doc;
   m.attr(name) = e;
 }
 
 py::dict StatsDict(const StepStats& s) {
   py::dict d;
-#define TDX_ITEMS(name)  \
-  d[#name] = s.name;     \
+#define TDX_ITEMS(name) \
+  d[#name] = s.name;    \
   d[#name "_bytes"] = s.name##_bytes;
   TDX_COUNTERS(TDX_ITEMS)
 #undef TDX_ITEMS
@@ -55,11 +45,14 @@ py::object RecordOrNone(RecordPtr r) {
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "The native ledger and hot path of torch_xla_donate (docs/design.md).";
-  AddEnum(m, "Verdict", kVerdicts, "What became of a donation; REUSED and LOST poison it.");
-  AddEnum(m, "Via", kVias, "The call that marked a tensor.");
-  AddEnum(m, "Refusal", kRefusals, "Why marking refused a tensor (marking.cpp Classify).");
-  AddEnum(m, "Split", kSplits, "What the commit made of a mark (commit.cpp).");
-  m.attr("COUNTERS") = py::cast(std::vector<std::string>(std::begin(kCounters), std::end(kCounters)));
+#define TDX_NAME(name) #name,
+  AddEnum(m, "Verdict", {TDX_VERDICTS(TDX_NAME)},
+          "What became of a donation; REUSED and LOST poison it.");
+  AddEnum(m, "Via", {TDX_VIAS(TDX_NAME)}, "The call that marked a tensor.");
+  AddEnum(m, "Refusal", {TDX_REFUSALS(TDX_NAME)},
+          "Why marking refused a tensor (marking.cpp Classify).");
+  AddEnum(m, "Split", {TDX_SPLITS(TDX_NAME)}, "What the commit made of a mark (commit.cpp).");
+#undef TDX_NAME
   RegisterEntries(m);
   RegisterMarking(m);
   RegisterCommit(m);
@@ -86,9 +79,9 @@ PYBIND11_MODULE(_C, m) {
       "Hands the native module the Python objects it needs (_native.py, at import).");
   m.def(
       "mark",
-      [](py::object tensor, std::string file, int line, std::vector<int64_t> shape, std::string dtype,
-         int64_t nbytes, int via, int64_t version) -> py::object {
-        // Tests put marks straight into the ledger: refuse garbage here.
+      [](py::object tensor, std::string file, int line, std::vector<int64_t> shape,
+         std::string dtype, int64_t nbytes, int via, int64_t version) -> py::object {
+        // Tests put marks straight into the ledger: refuse garbage.
         if (tensor.is_none()) throw py::type_error("mark() needs a tensor, got None");
         if (nbytes < 0 || via < 0 || via >= kViaCount)
           throw py::value_error("mark(): nbytes must be >= 0 and via a Via");
@@ -154,11 +147,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("generation", []() { return GlobalLedger().generation(); });
   m.def("reset", []() { GlobalLedger().Reset(); });
   m.attr("HISTORY_STEPS") = Ledger::kHistorySteps;
-#ifdef TDX_BUILT_FOR_TORCH
-  m.attr("BUILT_FOR_TORCH") = TDX_BUILT_FOR_TORCH;
-#else
-  m.attr("BUILT_FOR_TORCH") = py::none();  // a build that did not say (Bazel)
+#ifndef TDX_BUILT_FOR_TORCH
+#define TDX_BUILT_FOR_TORCH py::none()  // a build that did not say (Bazel)
 #endif
+  m.attr("BUILT_FOR_TORCH") = TDX_BUILT_FOR_TORCH;
   m.def("impl_address", [](py::handle t) { return ImplAddress(t.ptr()); });
   m.def("storage_address", [](py::handle t) -> uintptr_t {
     const uintptr_t impl = ImplAddress(t.ptr());
@@ -172,12 +164,11 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "live_objects",
       [](py::tuple types) {
-        // The objects the garbage collector tracks, per type, but the Python
-        // objects of tensors (the first type) only C++ keeps alive: kept in a
-        // list, one would outlive its TensorImpl.  One call, the GIL held.
+        // Per type, the objects the GC tracks, but tensors (types[0]) only C++ keeps alive (kept
+        // in a list, one would outlive its TensorImpl).
         py::object objects = py::module_::import("gc").attr("get_objects")();
         std::vector<py::list> found(types.size());
-        for (py::handle o : objects) {
+        for (py::handle o : objects)
           for (size_t k = 0; k < types.size(); ++k) {
             if (!PyObject_TypeCheck(o.ptr(), reinterpret_cast<PyTypeObject*>(types[k].ptr())))
               continue;
@@ -185,7 +176,6 @@ PYBIND11_MODULE(_C, m) {
             if (impl != 0 && !(k == 0 && PyObjectOwnedByTensor(impl))) found[k].append(o);
             break;
           }
-        }
         return py::cast(found);
       },
       py::arg("types"));

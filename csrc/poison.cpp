@@ -1,7 +1,6 @@
-// Poisoning: the tensor torch_xla computes with takes a dispatch key of its
-// own (TESTING_ONLY_GenericWrapper, whose fallback refuses every operator on
-// it) and a record tag; the user's tensor takes its poisoned twin class
-// (docs/design.md, "A dispatch key for poison").
+// Poisoning: a dispatch key (whose fallback refuses every operator) and a record tag on the tensor
+// torch_xla computes with, a twin class on the user's (docs/design.md, "A dispatch key for
+// poison").
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 #include <c10/core/TensorImpl.h>
@@ -33,10 +32,7 @@ void SetDonatedKey(uintptr_t impl, bool on) {
   keys = on ? keys.add(kDonatedKey) : keys.remove(kDonatedKey);
 }
 
-bool HasDonatedKey(uintptr_t impl) { return ImplAt(impl)->key_set().has(kDonatedKey); }
-
-// -- The record tag: a c10::BackendMeta, freed with the TensorImpl and not
-// copied to shallow copies (detach, .data): those are not donated.
+// -- The record tag: a BackendMeta freed with the impl; shallow copies (detach, .data) lack it.
 class RecordTag final : public c10::BackendMeta {
  public:
   RecordTag(RecordPtr record, std::string note, c10::intrusive_ptr<c10::BackendMeta> replaced)
@@ -52,6 +48,10 @@ class RecordTag final : public c10::BackendMeta {
 
 RecordTag* TagOf(uintptr_t impl) {
   return dynamic_cast<RecordTag*>(ImplAt(impl)->get_backend_meta());
+}
+RecordTag* TagOfObject(PyObject* t) {
+  const uintptr_t impl = ImplAddress(t);
+  return impl ? TagOf(impl) : nullptr;
 }
 
 bool TagRecord(uintptr_t impl, RecordPtr record, std::string note) {
@@ -70,8 +70,7 @@ void UntagRecord(uintptr_t impl) {
   if (RecordTag* tag = TagOf(impl)) ImplAt(impl)->set_backend_meta(tag->replaced);
 }
 
-// -- The fallback -------------------------------------------------------------
-
+// -- The fallback
 std::atomic<bool> g_key_in_use{false};
 const Record* g_probe = nullptr;  // the self-test's record, while it runs
 struct ProbeRefused {};
@@ -96,8 +95,7 @@ void CollectDonated(const c10::IValue& v, std::vector<at::Tensor>* out) {
   }
 }
 
-// copy_ overwrites its first argument and reads none of it: a consumed
-// tensor may be refilled, when it is that argument and no other.
+// copy_ overwrites its first argument unread: a consumed tensor may be refilled as that alone.
 bool RefillsFirst(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args,
                   const std::vector<at::Tensor>& donated) {
   const std::string& name = op.schema().name();
@@ -109,8 +107,7 @@ bool RefillsFirst(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args
   return seen == 1 && donated[0].unsafeGetTensorImpl() == first;
 }
 
-// _poison.on_donated_dispatch decides (settle, raise, or let a refill or an
-// unused donation through); a Python error goes back as torch's python_error.
+// _poison.on_donated_dispatch decides; a Python error goes back as torch's python_error.
 void AskPython(const std::vector<at::Tensor>& donated, bool refill_first) {
   PyGILState_STATE gil = PyGILState_Ensure();
   PyObject* tensors = PyList_New(static_cast<Py_ssize_t>(donated.size()));
@@ -144,8 +141,9 @@ void Fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
     std::vector<at::Tensor> donated;
     for (const c10::IValue& v : args) CollectDonated(v, &donated);
     if (!donated.empty()) {
-      if (g_probe && TagOf(reinterpret_cast<uintptr_t>(donated[0].unsafeGetTensorImpl()))
-                             ->record.get() == g_probe)
+      if (g_probe &&
+          TagOf(reinterpret_cast<uintptr_t>(donated[0].unsafeGetTensorImpl()))->record.get() ==
+              g_probe)
         throw ProbeRefused{};
       AskPython(donated, RefillsFirst(op, args, donated));
     }
@@ -197,7 +195,8 @@ std::string SelfTest(PyObject* probe) {
   SetDonatedKey(impl, false);
   UntagRecord(impl);
   g_probe = nullptr;
-  if (!refused) return "an operator on the probe was not refused" + (error.empty() ? "" : ": " + error);
+  if (!refused)
+    return "an operator on the probe was not refused" + (error.empty() ? "" : ": " + error);
   try {
     (void)outer.mul(2);
   } catch (const std::exception& e) {
@@ -207,8 +206,7 @@ std::string SelfTest(PyObject* probe) {
   return "";
 }
 
-// -- The twin classes -----------------------------------------------------
-
+// -- The twin classes
 std::unordered_map<PyTypeObject*, PyObject*> g_twins;  // class -> its poisoned twin
 std::unordered_set<PyObject*> g_checked;  // twins Python's __class__ assignment accepted once
 
@@ -217,9 +215,8 @@ PyObject* ClassAttr() {
   return name;
 }
 
-// `t.__class__ = twin`: the first time per twin with all of Python's checks;
-// then what object_set_class does after them (the twin adds nothing to its
-// class's layout).
+// `t.__class__ = twin`: once per twin with Python's checks, then what object_set_class does after
+// them (the twin adds nothing to the layout).
 int SwapClass(PyObject* t, PyObject* twin) {
   PyTypeObject* from = Py_TYPE(t);
   auto* to = reinterpret_cast<PyTypeObject*>(twin);
@@ -236,8 +233,8 @@ int SwapClass(PyObject* t, PyObject* twin) {
   return 0;
 }
 
-// A poisoned tensor's Python object is about to die: the entry's weak
-// reference goes now, so the TensorImpl and torch_xla's tensor die with it.
+// A poisoned tensor's Python object is dying: its entry's weak reference goes, so its TensorImpl
+// and XLATensor die with it.
 std::unordered_map<PyTypeObject*, destructor> g_user_finalizers;  // a twin's inherited __del__
 void TwinFinalize(PyObject* self) {
   auto it = g_user_finalizers.find(Py_TYPE(self));
@@ -248,9 +245,9 @@ void TwinFinalize(PyObject* self) {
 // The TensorImpl torch_xla computes with behind `t` (a functional wrapper's value).
 uintptr_t CoreOf(PyObject* t) {
   const uintptr_t impl = ImplAddress(t);
-  const uintptr_t core =
-      impl && ImplAt(impl)->key_set().has(c10::DispatchKey::Functionalize) ? FunctionalInnerImpl(t)
-                                                                          : impl;
+  const uintptr_t core = impl && ImplAt(impl)->key_set().has(c10::DispatchKey::Functionalize)
+                             ? FunctionalInnerImpl(t)
+                             : impl;
   if (core == 0) PyErr_SetString(PyExc_TypeError, "expected a readable torch.Tensor");
   return core;
 }
@@ -278,8 +275,7 @@ PyObject* TwinClassOf(PyTypeObject* type) {
 }
 
 int Poison(PyObject* t, const RecordPtr& record, const std::string& note) {
-  // The tensor torch_xla computes with first: once it refuses operators the
-  // value is safe, whatever happens to the wrapper the user holds.
+  // The core first: once it refuses operators, the value is safe whatever befalls the wrapper.
   if (!g_key_in_use.load()) {
     PyErr_SetString(PyExc_RuntimeError, "poisoning's dispatch key is off");
     return -1;
@@ -301,17 +297,12 @@ int Poison(PyObject* t, const RecordPtr& record, const std::string& note) {
 }
 
 void RegisterPoison(py::module_& m) {
-  auto impl_of = [](py::handle t) {
-    const uintptr_t impl = ImplAddress(t.ptr());
-    if (impl == 0) throw py::type_error("expected a torch.Tensor");
-    return impl;
-  };
-  m.def("donated_key_self_test", [](py::handle probe) { return SelfTest(probe.ptr()); },
-        py::arg("probe"), "Tries the donated key on `probe`: '' and poisoning uses it, or why not.");
-  m.def("donated_key_in_use", []() { return g_key_in_use.load(); });
+  m.def(
+      "donated_key_self_test", [](py::handle probe) { return SelfTest(probe.ptr()); },
+      py::arg("probe"), "Tries the donated key on `probe`: '' and poisoning uses it, or why not.");
   m.def("has_donated_key", [](py::handle t) {
     const uintptr_t impl = ImplAddress(t.ptr());
-    return impl != 0 && HasDonatedKey(impl);
+    return impl != 0 && ImplAt(impl)->key_set().has(kDonatedKey);
   });
   m.def(
       "poison",
@@ -323,8 +314,10 @@ void RegisterPoison(py::module_& m) {
   m.def("unpoison", [](py::handle t) { Check(Unpoison(t.ptr()) == 0); }, py::arg("tensor"));
   m.def(
       "tag_record",
-      [=](py::handle t, py::handle record, std::string note) {
-        if (!TagRecord(impl_of(t), RecordArg(record.ptr()), note))
+      [](py::handle t, py::handle record, std::string note) {
+        const uintptr_t impl = ImplAddress(t.ptr());
+        if (impl == 0) throw py::type_error("expected a torch.Tensor");
+        if (!TagRecord(impl, RecordArg(record.ptr()), note))
           throw py::type_error("cannot tag this tensor with its donation record");
       },
       py::arg("tensor"), py::arg("record"), py::arg("note") = "");
@@ -332,18 +325,12 @@ void RegisterPoison(py::module_& m) {
     if (const uintptr_t impl = ImplAddress(t.ptr())) UntagRecord(impl);
   });
   m.def("tagged_record", [](py::handle t) -> py::object {
-    const uintptr_t impl = ImplAddress(t.ptr());
-    RecordTag* tag = impl ? TagOf(impl) : nullptr;
+    RecordTag* tag = TagOfObject(t.ptr());
     return tag ? py::reinterpret_steal<py::object>(WrapRecord(tag->record)) : py::none();
   });
   m.def("tagged_note", [](py::handle t) -> std::string {
-    const uintptr_t impl = ImplAddress(t.ptr());
-    RecordTag* tag = impl ? TagOf(impl) : nullptr;
+    RecordTag* tag = TagOfObject(t.ptr());
     return tag ? tag->note : "";
-  });
-  m.def("functional_inner_has_object", [](py::handle t) {
-    const uintptr_t inner = IsTensor(t.ptr()) ? FunctionalInnerImpl(t.ptr()) : 0;
-    return inner != 0 && ImplAt(inner)->pyobj_slot()->_unchecked_untagged_pyobj() != nullptr;
   });
   m.def(
       "register_twin",
@@ -354,18 +341,17 @@ void RegisterPoison(py::module_& m) {
         if (g_twins.count(type)) return;
         g_twins.emplace(type, twin.inc_ref().ptr());
         cls.inc_ref();  // a key's address must not be reused
-        // Its objects let go of their entry's weak reference as they die.
         auto* twin_type = reinterpret_cast<PyTypeObject*>(twin.ptr());
         if (twin_type->tp_finalize) g_user_finalizers.emplace(twin_type, twin_type->tp_finalize);
         twin_type->tp_finalize = TwinFinalize;
       },
-      py::arg("cls"), py::arg("twin"), "Tensors of `cls` may be marked: poisoning gives them `twin`.");
+      py::arg("cls"), py::arg("twin"),
+      "Tensors of `cls` may be marked: poisoning gives them `twin`.");
   m.def(
       "twin_of",
       [](py::handle cls) -> py::object {
-        PyObject* twin = PyType_Check(cls.ptr())
-                             ? TwinClassOf(reinterpret_cast<PyTypeObject*>(cls.ptr()))
-                             : nullptr;
+        if (!PyType_Check(cls.ptr())) return py::none();
+        PyObject* twin = TwinClassOf(reinterpret_cast<PyTypeObject*>(cls.ptr()));
         return twin ? py::reinterpret_borrow<py::object>(twin) : py::none();
       },
       py::arg("cls"));

@@ -1,6 +1,4 @@
-// Torch tensors read natively: c10's facts, the TensorImpl behind a Python
-// tensor (torch's python_variable.h, inline code only), weak references in
-// c10's count, and where a donation was made.
+// Torch tensors read natively (c10, torch's inline python_variable.h), and where a mark was made.
 #include <Python.h>  // before frameobject.h
 
 #include <ATen/FunctionalTensorWrapper.h>
@@ -29,8 +27,7 @@ namespace {
 
 c10::TensorImpl* ImplAt(uintptr_t impl) { return reinterpret_cast<c10::TensorImpl*>(impl); }
 
-// torch's THPVariable_Wrap, looked up in the libtorch_python torch loaded
-// (the extension does not link it); null when it cannot be found.
+// torch's THPVariable_Wrap from the libtorch_python torch loaded (not linked); null if not found.
 using WrapFn = PyObject* (*)(const at::TensorBase&);
 static_assert(std::is_same_v<WrapFn, decltype(&THPVariable_Wrap)>, "THPVariable_Wrap changed");
 WrapFn TorchWrap() {
@@ -49,8 +46,7 @@ WrapFn TorchWrap() {
 bool ReadTensorFacts(uintptr_t address, TensorFacts* out, bool with_sizes) {
   c10::TensorImpl* impl = ImplAt(address);
   try {
-    // The key set, not impl->is_xla(): a functional wrapper would ask the
-    // XLA tensor behind it.
+    // The key set, not impl->is_xla(), which a functional wrapper answers for its XLA tensor.
     out->is_xla = impl->key_set().has_backend(c10::BackendComponent::XLABit);
     out->is_functional = impl->key_set().has(c10::DispatchKey::Functionalize);
     const c10::Storage& storage = impl->unsafe_storage();
@@ -64,8 +60,7 @@ bool ReadTensorFacts(uintptr_t address, TensorFacts* out, bool with_sizes) {
     out->version =
         impl->is_inference() ? -1 : static_cast<int64_t>(impl->version_counter().current_version());
     out->sizes.clear();
-    // The sizes the tensor reports, not a wrapper's own fields: those miss a
-    // resize_ that keeps the element count.
+    // The sizes the tensor reports, not a wrapper's fields (which miss a numel-keeping resize_).
     if (with_sizes && !out->symbolic_sizes) {
       c10::IntArrayRef sizes = impl->sizes();
       out->sizes.assign(sizes.begin(), sizes.end());
@@ -86,8 +81,7 @@ bool IsDonatedType(PyObject* t) {
 }
 
 uintptr_t ImplAddress(PyObject* t) {
-  return IsTensor(t) ? reinterpret_cast<uintptr_t>(THPVariable_Unpack(t).unsafeGetTensorImpl())
-                     : 0;
+  return IsTensor(t) ? reinterpret_cast<uintptr_t>(THPVariable_Unpack(t).unsafeGetTensorImpl()) : 0;
 }
 
 int Facts(PyObject* t, TensorFacts* facts, bool with_sizes) {
@@ -129,8 +123,9 @@ uintptr_t StorageAddress(uintptr_t impl) {
 uintptr_t FunctionalInnerImpl(PyObject* t) {
   const at::Tensor& outer = THPVariable_Unpack(t);
   if (!at::functionalization::impl::isFunctionalTensor(outer)) return 0;
-  return reinterpret_cast<uintptr_t>(
-      at::functionalization::impl::unsafeGetFunctionalWrapper(outer)->value().unsafeGetTensorImpl());
+  return reinterpret_cast<uintptr_t>(at::functionalization::impl::unsafeGetFunctionalWrapper(outer)
+                                         ->value()
+                                         .unsafeGetTensorImpl());
 }
 
 bool PyObjectOwnedByTensor(uintptr_t impl) { return ImplAt(impl)->pyobj_slot()->owns_pyobj(); }
@@ -142,8 +137,8 @@ PyObject* WrapTensorImpl(uintptr_t impl) {
     return nullptr;
   }
   c10::raw::intrusive_ptr::incref(ImplAt(impl));
-  const at::Tensor tensor(c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>::reclaim(
-      ImplAt(impl)));
+  const at::Tensor tensor(
+      c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>::reclaim(ImplAt(impl)));
   return wrap(tensor);
 }
 
@@ -190,10 +185,7 @@ DtypeName DtypeNameOf(int scalar_type) {
   return names.emplace(scalar_type, InternDtype(name)).first->second;
 }
 
-// -- Where a donation was made ---------------------------------------------
-// A frame's line number is found by scanning its code's line table: cached
-// per (code, instruction), the code objects held so that an address is never
-// reused as a key; the caches stop growing at a bound.
+// -- Where: line numbers cached per (code, instruction), keys held against address reuse; bounded.
 namespace {
 
 constexpr size_t kMaxCodes = 4096, kMaxLinesPerCode = 256;
@@ -210,20 +202,17 @@ FilePtr NewFile(PyObject* name) {
 }
 
 bool FrameWhere(PyFrameObject* frame, FilePtr* file, int* line) {
-  PyObject* code = reinterpret_cast<PyObject*>(PyFrame_GetCode(frame));
-  auto it = g_codes.find(code);
+  PyCodeObject* code = PyFrame_GetCode(frame);
+  auto it = g_codes.find(reinterpret_cast<PyObject*>(code));
   if (it == g_codes.end()) {
-    PyObject* name = PyObject_GetAttrString(code, "co_filename");
-    FilePtr f = NewFile(name);
-    Py_XDECREF(name);
+    FilePtr f = NewFile(code->co_filename);
     if (!f || g_codes.size() >= kMaxCodes) {
       Py_DECREF(code);
       *file = std::move(f);
       *line = PyFrame_GetLineNumber(frame);
       return *file != nullptr;
     }
-    Py_INCREF(code);  // the cache's
-    it = g_codes.emplace(code, CodeInfo{std::move(f), {}}).first;
+    it = g_codes.emplace(Py_NewRef(code), CodeInfo{std::move(f), {}}).first;  // the cache's
   }
   Py_DECREF(code);
   CodeInfo& info = it->second;
@@ -261,29 +250,23 @@ bool ResolveWhere(PyObject* where, FilePtr* file, int* line) {
     Py_DECREF(frame);
     return ok;
   }
-  if (PyTuple_Check(where) && PyTuple_GET_SIZE(where) == 2 &&
-      PyUnicode_Check(PyTuple_GET_ITEM(where, 0))) {
-    const long l = PyLong_AsLong(PyTuple_GET_ITEM(where, 1));
-    if (l == -1 && PyErr_Occurred()) return false;
-    PyObject* name = PyTuple_GET_ITEM(where, 0);
-    auto it = g_file_names.find(name);
-    if (it == g_file_names.end()) {
-      FilePtr f = NewFile(name);
-      if (!f) return false;
-      if (g_file_names.size() >= kMaxCodes) {
-        *file = std::move(f);
-        *line = static_cast<int>(l);
-        return true;
-      }
-      Py_INCREF(name);  // the cache's
-      it = g_file_names.emplace(name, std::move(f)).first;
-    }
+  if (!PyTuple_Check(where) || PyTuple_GET_SIZE(where) != 2 ||
+      !PyUnicode_Check(PyTuple_GET_ITEM(where, 0))) {
+    PyErr_SetString(PyExc_TypeError, "where must be (file, line) or a frame depth");
+    return false;
+  }
+  const long l = PyLong_AsLong(PyTuple_GET_ITEM(where, 1));
+  if (l == -1 && PyErr_Occurred()) return false;
+  *line = static_cast<int>(l);
+  PyObject* name = PyTuple_GET_ITEM(where, 0);
+  auto it = g_file_names.find(name);
+  if (it != g_file_names.end()) {
     *file = it->second;
-    *line = static_cast<int>(l);
     return true;
   }
-  PyErr_SetString(PyExc_TypeError, "where must be (file, line) or a frame depth");
-  return false;
+  *file = NewFile(name);
+  if (*file && g_file_names.size() < kMaxCodes) g_file_names.emplace(Py_NewRef(name), *file);
+  return *file != nullptr;
 }
 
 }  // namespace torch_xla_donate

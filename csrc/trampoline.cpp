@@ -1,16 +1,10 @@
-// `_C.Trampoline(real, before, after)` stands in for one of torch_xla's
-// `_XLAC` functions (the step barrier, `_xla_sync_multi`, ...):
-//
+// `_C.Trampoline(real, before, after)` stands in for an `_XLAC` function, calling `real` from C so
+// that PT_XLA_DEBUG sees the user's frame (docs/design.md):
 //   token = before(*args, **kwargs)      # raising: real is not called
 //   if token is PASS: return real(*args, **kwargs)
-//   result = real(*args, **kwargs)       # error: after(token, None, error),
-//   return after(token, result, None)    #   then the error propagates
-//
-// Native so that `real` is called from C once both Python halves have
-// returned: PT_XLA_DEBUG names an execution's cause from the innermost
-// Python frame, which is then the user's, as without the plugin.
+//   result = real(*args, **kwargs)       # error: after(token, None, error), then it propagates
+//   return after(token, result, None)
 #include "common.h"
-
 
 namespace torch_xla_donate {
 namespace {
@@ -34,12 +28,9 @@ int TrampolineInit(PyObject* self, PyObject* args, PyObject* kwargs) {
     return -1;
   }
   auto* t = reinterpret_cast<PyTrampoline*>(self);
-  Py_INCREF(real);
-  Py_INCREF(before);
-  Py_INCREF(after);
-  Py_XSETREF(t->real, real);
-  Py_XSETREF(t->before, before);
-  Py_XSETREF(t->after, after);
+  Py_XSETREF(t->real, Py_NewRef(real));
+  Py_XSETREF(t->before, Py_NewRef(before));
+  Py_XSETREF(t->after, Py_NewRef(after));
   return 0;
 }
 
@@ -63,9 +54,7 @@ int TrampolineClear(PyObject* self) {
 void TrampolineDealloc(PyObject* self) {
   PyObject_GC_UnTrack(self);
   TrampolineClear(self);
-  PyTypeObject* type = Py_TYPE(self);
-  type->tp_free(self);
-  Py_DECREF(type);
+  FreeInstance(self);
 }
 
 PyObject* TrampolineCall(PyObject* self, PyObject* args, PyObject* kwargs) {
@@ -82,8 +71,7 @@ PyObject* TrampolineCall(PyObject* self, PyObject* args, PyObject* kwargs) {
   }
   PyObject* result = PyObject_Call(t->real, args, kwargs);
   if (!result) {
-    // Hand the error to `after`, then let it propagate (unless `after`
-    // raised an error of its own, which then carries this one as context).
+    // To `after`, then on (unless `after` raises its own, which carries this one as context).
     PyObject *type, *value, *traceback;
     PyErr_Fetch(&type, &value, &traceback);
     PyErr_NormalizeException(&type, &value, &traceback);
@@ -110,19 +98,12 @@ PyObject* TrampolineCall(PyObject* self, PyObject* args, PyObject* kwargs) {
 
 PyObject* GetReal(PyObject* self, void*) {
   PyObject* real = reinterpret_cast<PyTrampoline*>(self)->real;
-  if (!real) Py_RETURN_NONE;
-  Py_INCREF(real);
-  return real;
+  return Py_NewRef(real ? real : Py_None);
 }
 
-// As a class attribute it binds like a function: `obj.method(...)` calls
-// real(obj, ...) between before(obj, ...) and after(...).
+// As a class attribute it binds like a function: `obj.method(...)` calls real(obj, ...).
 PyObject* TrampolineGet(PyObject* self, PyObject* obj, PyObject*) {
-  if (obj == nullptr || obj == Py_None) {
-    Py_INCREF(self);
-    return self;
-  }
-  return PyMethod_New(self, obj);
+  return obj == nullptr || obj == Py_None ? Py_NewRef(self) : PyMethod_New(self, obj);
 }
 
 PyGetSetDef kGetters[] = {
@@ -139,26 +120,18 @@ PyType_Slot kSlots[] = {
     {Py_tp_clear, reinterpret_cast<void*>(TrampolineClear)},
     {Py_tp_getset, kGetters},
     {Py_tp_descr_get, reinterpret_cast<void*>(TrampolineGet)},
-    {Py_tp_doc, const_cast<char*>(
-                    "Trampoline(real, before, after): calls real(*args) from C between "
-                    "before(*args) and after(token, result, error).")},
+    {Py_tp_doc,
+     const_cast<char*>("Trampoline(real, before, after): calls real(*args) from C between "
+                       "before(*args) and after(token, result, error).")},
     {0, nullptr},
-};
-
-PyType_Spec kSpec = {
-    "torch_xla_donate._C.Trampoline",
-    sizeof(PyTrampoline),
-    0,
-    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_BASETYPE,
-    kSlots,
 };
 
 }  // namespace
 
 void RegisterTrampoline(py::module_& m) {
-  PyObject* type = PyType_FromSpec(&kSpec);
-  if (!type) throw py::error_already_set();
-  m.attr("Trampoline") = py::reinterpret_steal<py::object>(type);
+  m.attr("Trampoline") = py::reinterpret_steal<py::object>(reinterpret_cast<PyObject*>(
+      NewType("torch_xla_donate._C.Trampoline", sizeof(PyTrampoline), kSlots,
+              Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_BASETYPE)));
   py::object sentinel = py::module_::import("builtins").attr("object")();
   g_pass = sentinel.inc_ref().ptr();  // kept for the life of the process
   m.attr("PASS") = sentinel;

@@ -1,8 +1,5 @@
-// What torch_xla knows about an XLA tensor, read through torch's lazy-tensor
-// types behind the one torch_xla layout fact: XLATensorImpl keeps its
-// XLATensorPtr as its first member after c10::TensorImpl (docs/design.md,
-// "Reading torch_xla").  Every read checks the TensorImpl's vtable against
-// the one learned, under an RTTI check, from a known XLA tensor.
+// What torch_xla knows about an XLA tensor, behind the one layout fact (docs/design.md, "Reading
+// torch_xla"); every read checks the vtable learned, under an RTTI check, from a known XLA tensor.
 #include <ATen/FunctionalTensorWrapper.h>
 #include <c10/core/TensorImpl.h>
 #include <cxxabi.h>
@@ -23,8 +20,7 @@ namespace {
 using torch::lazy::BackendData;
 using torch::lazy::LazyTensor;
 
-// Where a c10::TensorImpl subclass puts its first pointer-sized member (the
-// compiler's layout of the base, not a hand-written number).
+// Where a c10::TensorImpl subclass puts its first member (the compiler's layout, not a number).
 struct FirstMemberProbe : c10::TensorImpl {
   c10::intrusive_ptr<LazyTensor> first;
 };
@@ -44,8 +40,7 @@ LazyTensor* FirstMember(c10::TensorImpl* impl) {
                                                kXlaTensorOffset);
 }
 
-// What torch_xla sees behind `impl`: a functional wrapper's value; null for
-// a wrapper with updates not applied yet (torch_xla would sync it first).
+// What torch_xla sees: a functional wrapper's value; null for one with updates not applied yet.
 c10::TensorImpl* Unwrapped(c10::TensorImpl* impl, bool* functional) {
   *functional = impl->key_set().has(c10::DispatchKey::Functionalize);
   if (!*functional) return impl;
@@ -101,6 +96,84 @@ bool Read(uintptr_t impl, LazyFacts* out) {
   return true;
 }
 
+std::string LearnXlaTensorType(uintptr_t address) {  // the guard: "" or why not
+  try {
+    bool functional = false;
+    c10::TensorImpl* impl = Unwrapped(reinterpret_cast<c10::TensorImpl*>(address), &functional);
+    if (impl == nullptr) return "the sample tensor's functional wrapper is not up to date";
+    const std::string name = Demangled(typeid(*impl).name());
+    if (name != "torch_xla::XLATensorImpl")
+      return "the sample tensor is a " + name + ", not a torch_xla::XLATensorImpl";
+    LazyTensor* lazy = FirstMember(impl);
+    const std::string member = lazy ? Demangled(typeid(*lazy).name()) : "null";
+    if (member != "torch_xla::XLATensor")
+      return "torch_xla::XLATensorImpl's first member is a " + member +
+             ", not a torch_xla::XLATensor";
+    g_xla_impl_vtable.store(VtableOf(impl), std::memory_order_release);
+    return "";
+  } catch (const std::exception& e) {
+    return std::string("learning the XLA tensor type raised: ") + e.what();
+  }
+}
+
+// Each carrier's own handle while it points at another buffer (point_carrier to restore_carrier).
+std::unordered_map<LazyTensor*, torch::lazy::BackendDataPtr> g_carried;
+
+LazyTensor* CarrierOf(PyObject* carrier) {
+  const uintptr_t address = ImplAddress(carrier);
+  bool functional = false;
+  return address == 0 ? nullptr : XlaLazyTensorOf(address, &functional);
+}
+
+// -- Bindings: every per-tensor read answers None when it declines ----------
+bool ReadMaybeForced(py::handle t, bool force, LazyFacts* facts) {
+  if (!force) return ReadLazy(t.ptr(), facts);
+  const uintptr_t impl = ImplAddress(t.ptr());
+  return impl != 0 && ReadLazyFacts(impl, facts);
+}
+
+// Per tensor, `answer(facts)`, or None when the read declines.
+template <typename Answer>
+py::list PerTensor(py::iterable tensors, bool force, Answer answer) {
+  py::list out;
+  for (py::handle t : tensors) {
+    LazyFacts f;
+    out.append(ReadMaybeForced(t, force, &f) ? answer(f) : py::object(py::none()));
+  }
+  return out;
+}
+
+// One-tensor reads with the CPython API: pybind11's dispatch would cost what the read saves.
+template <PyObject* (*Answer)(const LazyFacts&)>
+PyObject* ReadOne(PyObject*, PyObject* t) {
+  LazyFacts f;
+  if (!ReadLazy(t, &f)) Py_RETURN_NONE;
+  return Answer(f);
+}
+PyObject* TensorId(const LazyFacts& f) { return PyLong_FromLongLong(f.tensor_id); }
+PyObject* IsPending(const LazyFacts& f) { return PyBool_FromLong(f.pending); }
+PyObject* IsConsumed(const LazyFacts& f) { return PyBool_FromLong(f.consumed()); }
+PyObject* BufferKey(const LazyFacts& f) { return PyLong_FromSize_t(f.has_value ? f.buffer : 0); }
+
+PyMethodDef kMethods[] = {
+    {"lazy_tensor_id", ReadOne<TensorId>, METH_O, "_xla_get_tensor_id, or None: declined."},
+    {"lazy_is_pending", ReadOne<IsPending>, METH_O,
+     "_check_tensor_need_materialization, or None: declined."},
+    {"lazy_is_consumed", ReadOne<IsConsumed>, METH_O, "_is_placecholder, or None: declined."},
+    {"lazy_buffer_key", ReadOne<BufferKey>, METH_O,
+     "The live buffer's address (equal: one buffer; 0: none live), or None: declined."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+int64_t BufferHandle(uintptr_t address) {
+  auto* buffer = reinterpret_cast<BackendData*>(address);
+  try {  // GetHandle refuses a deleted buffer
+    return buffer != nullptr && buffer->HasValue() ? buffer->GetHandle() : 0;
+  } catch (...) {
+    return 0;
+  }
+}
+
 }  // namespace
 
 const c10::Symbol& DeviceDataOp() {
@@ -123,34 +196,6 @@ LazyTensor* XlaLazyTensorOf(uintptr_t address, bool* functional) {
   return impl == nullptr || VtableOf(impl) != xla_vtable ? nullptr : FirstMember(impl);
 }
 
-bool LearnXlaTensorType(uintptr_t address, std::string* why) {
-  try {
-    bool functional = false;
-    c10::TensorImpl* impl = Unwrapped(reinterpret_cast<c10::TensorImpl*>(address), &functional);
-    if (impl == nullptr) {
-      *why = "the sample tensor's functional wrapper is not up to date";
-      return false;
-    }
-    const std::string name = Demangled(typeid(*impl).name());
-    if (name != "torch_xla::XLATensorImpl") {
-      *why = "the sample tensor is a " + name + ", not a torch_xla::XLATensorImpl";
-      return false;
-    }
-    LazyTensor* lazy = FirstMember(impl);
-    const std::string member = lazy ? Demangled(typeid(*lazy).name()) : "null";
-    if (member != "torch_xla::XLATensor") {
-      *why = "torch_xla::XLATensorImpl's first member is a " + member +
-             ", not a torch_xla::XLATensor";
-      return false;
-    }
-    g_xla_impl_vtable.store(VtableOf(impl), std::memory_order_release);
-    return true;
-  } catch (const std::exception& e) {
-    *why = std::string("learning the XLA tensor type raised: ") + e.what();
-    return false;
-  }
-}
-
 bool ReadLazyFacts(uintptr_t impl, LazyFacts* out) {
   *out = LazyFacts();
   try {
@@ -161,7 +206,6 @@ bool ReadLazyFacts(uintptr_t impl, LazyFacts* out) {
   return false;
 }
 
-void SetLazyReadsEnabled(bool on) { g_enabled.store(on, std::memory_order_release); }
 bool LazyReadsEnabled() { return g_enabled.load(std::memory_order_acquire); }
 
 bool ReadLazy(PyObject* t, LazyFacts* facts) {
@@ -170,26 +214,11 @@ bool ReadLazy(PyObject* t, LazyFacts* facts) {
   return impl != 0 && ReadLazyFacts(impl, facts);
 }
 
-bool HasPendingIr(PyObject* t) {
-  LazyFacts facts;
-  return !ReadLazy(t, &facts) || facts.pending;  // declined: no plain device data
-}
-
 int BufferDeleted(PyObject* t) {
   LazyFacts facts;
   if (ReadLazy(t, &facts)) return facts.consumed() ? 1 : 0;
   PyErr_SetString(PyExc_TypeError, "torch_xla_donate cannot read this tensor's device buffer");
   return -1;
-}
-
-int64_t BufferHandle(uintptr_t address) {
-  if (address == 0) return 0;
-  auto* buffer = reinterpret_cast<BackendData*>(address);
-  try {
-    return buffer->HasValue() ? buffer->GetHandle() : 0;  // GetHandle refuses a deleted one
-  } catch (...) {
-    return 0;
-  }
 }
 
 struct HeldBuffer {
@@ -211,13 +240,8 @@ bool HeldBufferConsumed(const HeldBuffer* buffer) { return !buffer->data->HasVal
 
 void DropBuffer(HeldBuffer* buffer) { delete buffer; }
 
-// Each pointed carrier's own handle, while it points at another buffer.
-std::unordered_map<LazyTensor*, torch::lazy::BackendDataPtr> g_carried;
-
 bool PointCarrier(PyObject* carrier, const torch::lazy::BackendDataPtr& buffer) {
-  const uintptr_t address = ImplAddress(carrier);
-  bool functional = false;
-  LazyTensor* lazy = address == 0 ? nullptr : XlaLazyTensorOf(address, &functional);
+  LazyTensor* lazy = CarrierOf(carrier);
   if (lazy == nullptr || !buffer || g_carried.count(lazy)) return false;
   const std::shared_ptr<LazyTensor::Data>& data = lazy->data();
   g_carried.emplace(lazy, std::move(data->handle));
@@ -225,69 +249,12 @@ bool PointCarrier(PyObject* carrier, const torch::lazy::BackendDataPtr& buffer) 
   return true;
 }
 
-bool PointCarrierAt(PyObject* carrier, const HeldBuffer* buffer) {
-  return buffer != nullptr && PointCarrier(carrier, buffer->data);
-}
-
-bool RestoreCarrier(PyObject* carrier) {
-  const uintptr_t address = ImplAddress(carrier);
-  bool functional = false;
-  LazyTensor* lazy = address == 0 ? nullptr : XlaLazyTensorOf(address, &functional);
-  auto it = lazy == nullptr ? g_carried.end() : g_carried.find(lazy);
-  if (it == g_carried.end()) return false;
-  lazy->data()->handle = std::move(it->second);
-  g_carried.erase(it);
-  return true;
-}
-
-// -- Bindings: every per-tensor read answers None when it declines ----------
-namespace {
-
-bool ReadMaybeForced(py::handle t, bool force, LazyFacts* facts) {
-  if (!force) return ReadLazy(t.ptr(), facts);
-  const uintptr_t impl = ImplAddress(t.ptr());
-  return impl != 0 && ReadLazyFacts(impl, facts);
-}
-
-// A one-tensor read with the CPython API: pybind11's dispatch alone would
-// cost what the read saves.
-template <PyObject* (*Answer)(const LazyFacts&)>
-PyObject* ReadOne(PyObject*, PyObject* t) {
-  LazyFacts f;
-  if (!ReadLazy(t, &f)) Py_RETURN_NONE;
-  return Answer(f);
-}
-PyObject* TensorId(const LazyFacts& f) { return PyLong_FromLongLong(f.tensor_id); }
-PyObject* IsPending(const LazyFacts& f) { return PyBool_FromLong(f.pending); }
-PyObject* IsConsumed(const LazyFacts& f) { return PyBool_FromLong(f.consumed()); }
-PyObject* BufferKey(const LazyFacts& f) { return PyLong_FromSize_t(f.has_value ? f.buffer : 0); }
-
-PyMethodDef kMethods[] = {
-    {"lazy_tensor_id", ReadOne<TensorId>, METH_O, "_xla_get_tensor_id, or None: declined."},
-    {"lazy_is_pending", ReadOne<IsPending>, METH_O,
-     "_check_tensor_need_materialization, or None: declined."},
-    {"lazy_is_consumed", ReadOne<IsConsumed>, METH_O, "_is_placecholder, or None: declined."},
-    {"lazy_buffer_key", ReadOne<BufferKey>, METH_O,
-     "The live buffer's address (equal: one buffer; 0: none live), or None: declined."},
-    {nullptr, nullptr, 0, nullptr},
-};
-
-// What torch_xla's owner query answers, without its side effects: a handle
-// without a cached IR value gets a new node filed under the tensor itself.
-bool QueryOwner(const LazyFacts& f, int64_t* owner) {
-  if (!f.has_value || !(f.has_handle && !f.has_ir) && !f.ir_is_device_data) return false;
-  *owner = f.has_handle && !f.has_ir ? f.tensor_id : f.owner_tensor_id;
-  return true;
-}
-
-}  // namespace
-
 void RegisterXlaReads(py::module_& m) {
   Check(PyModule_AddFunctions(m.ptr(), kMethods) == 0);
-  m.attr("LAZY_FACT_FIELDS") = py::make_tuple(
-      "is_functional", "tensor_id", "has_handle", "has_value", "has_ir", "ir_is_device_data",
-      "pending", "buffer_use_count", "expected_holders", "owner_tensor_id", "xla_tensor_refcount",
-      "buffer", "handle");
+  m.attr("LAZY_FACT_FIELDS") =
+      py::make_tuple("is_functional", "tensor_id", "has_handle", "has_value", "has_ir",
+                     "ir_is_device_data", "pending", "buffer_use_count", "expected_holders",
+                     "owner_tensor_id", "xla_tensor_refcount", "buffer", "handle");
   m.def(
       "lazy_facts",
       [](py::handle t, bool force) -> py::object {
@@ -303,16 +270,10 @@ void RegisterXlaReads(py::module_& m) {
   m.def(
       "lazy_holders",
       [](py::iterable tensors, bool force) {
-        py::list out;
-        for (py::handle t : tensors) {
-          LazyFacts f;
-          if (ReadMaybeForced(t, force, &f) && f.has_handle && f.is_functional)
-            out.append(py::make_tuple(f.expected_holders, f.buffer_use_count,
-                                      f.xla_tensor_refcount));
-          else
-            out.append(py::none());  // no handle, or no functionalization: holders unseen
-        }
-        return out;
+        return PerTensor(tensors, force, [](const LazyFacts& f) -> py::object {
+          if (!f.has_handle || !f.is_functional) return py::none();  // holders unseen
+          return py::make_tuple(f.expected_holders, f.buffer_use_count, f.xla_tensor_refcount);
+        });
       },
       py::arg("tensors"), py::arg("force") = false,
       "Per tensor (expected, actual buffer holders, XLATensor owners), or None.");
@@ -335,16 +296,12 @@ void RegisterXlaReads(py::module_& m) {
   m.def(
       "lazy_owner_ids",
       [](py::iterable tensors, bool force) {
-        py::list out;
-        for (py::handle t : tensors) {
-          LazyFacts f;
-          int64_t owner = -1;
-          if (ReadMaybeForced(t, force, &f) && QueryOwner(f, &owner))
-            out.append(owner);
-          else
-            out.append(py::none());
-        }
-        return out;
+        // torch_xla's owner query without side effects: a handle and no IR is filed under itself.
+        return PerTensor(tensors, force, [](const LazyFacts& f) -> py::object {
+          const bool bare = f.has_handle && !f.has_ir;
+          if (!f.has_value || (!bare && !f.ir_is_device_data)) return py::none();
+          return py::int_(bare ? f.tensor_id : f.owner_tensor_id);
+        });
       },
       py::arg("tensors"), py::arg("force") = false,
       "Per tensor, the id torch_xla's owner query files its live buffer under, or None.");
@@ -352,11 +309,12 @@ void RegisterXlaReads(py::module_& m) {
       "lazy_learn",
       [](py::handle t) -> std::string {
         const uintptr_t impl = ImplAddress(t.ptr());
-        std::string why = "the sample is no torch.Tensor";
-        return impl != 0 && LearnXlaTensorType(impl, &why) ? std::string() : why;
+        return impl != 0 ? LearnXlaTensorType(impl) : "the sample is no torch.Tensor";
       },
       py::arg("tensor"), "Learns XLATensorImpl's type from an XLA tensor: '' or why not.");
-  m.def("lazy_set_enabled", &SetLazyReadsEnabled, py::arg("on"));
+  m.def(
+      "lazy_set_enabled", [](bool on) { g_enabled.store(on, std::memory_order_release); },
+      py::arg("on"));
   m.def(
       "pending_flags",
       [](py::list tensors) {
@@ -366,7 +324,8 @@ void RegisterXlaReads(py::module_& m) {
           if (Facts(t.ptr(), &facts, false) != 1 || !facts.is_xla)
             throw py::type_error(std::string("pending_flags() takes XLA tensors, got a ") +
                                  Py_TYPE(t.ptr())->tp_name);
-          out.append(py::bool_(HasPendingIr(t.ptr())));
+          LazyFacts f;  // declined: no plain device data, pending
+          out.append(py::bool_(!ReadLazy(t.ptr(), &f) || f.pending));
         }
         return out;
       },
@@ -374,12 +333,21 @@ void RegisterXlaReads(py::module_& m) {
   m.def(
       "point_carrier",
       [](py::handle carrier, py::handle entry) {
-        return PointCarrierAt(carrier.ptr(), EntryBuffer(entry.ptr()));
+        const HeldBuffer* buffer = EntryBuffer(entry.ptr());
+        return buffer != nullptr && PointCarrier(carrier.ptr(), buffer->data);
       },
       py::arg("carrier"), py::arg("entry"),
       "Points `carrier` at the buffer a released entry keeps; False when it keeps none.");
   m.def(
-      "restore_carrier", [](py::handle carrier) { return RestoreCarrier(carrier.ptr()); },
+      "restore_carrier",
+      [](py::handle carrier) {
+        LazyTensor* lazy = CarrierOf(carrier.ptr());
+        auto it = lazy == nullptr ? g_carried.end() : g_carried.find(lazy);
+        if (it == g_carried.end()) return false;
+        lazy->data()->handle = std::move(it->second);
+        g_carried.erase(it);
+        return true;
+      },
       py::arg("carrier"));
   m.def(
       "lazy_read_loop",
