@@ -26,7 +26,6 @@ from helpers import buffer_ptr, materialize
 import torch_xla_donate as tdx
 from torch_xla_donate import _C
 from torch_xla_donate import _config as config
-from torch_xla_donate import _config as switches
 
 
 @pytest.fixture

@@ -12,8 +12,8 @@ import torch
 import torch_xla
 from helpers import COPIES, collector_off, materialize, run_python
 
-from torch_xla_donate import _xla as arena
 from torch_xla_donate import _guards as guards
+from torch_xla_donate import _xla as arena
 from torch_xla_donate import _xla as reads
 from torch_xla_donate import _xla as xla
 from torch_xla_donate._native import C

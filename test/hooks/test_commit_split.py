@@ -15,10 +15,10 @@ import torch_xla.core.xla_model as xm
 from helpers import COPIES, buffer_ptr, materialize
 
 import torch_xla_donate as tdx
-from torch_xla_donate import _xla as arena
-from torch_xla_donate import _guards as guards
-from torch_xla_donate import _xla as xla
 from torch_xla_donate import _commit as commit
+from torch_xla_donate import _guards as guards
+from torch_xla_donate import _xla as arena
+from torch_xla_donate import _xla as xla
 from torch_xla_donate.errors import DroppedDonationWarning
 
 N = 8

@@ -10,9 +10,9 @@ from helpers import buffer_ptr, materialize, settled_sync
 from torch_xla.experimental import gradient_accumulation as _ga
 
 import torch_xla_donate as tdx
+from torch_xla_donate import _hooks as integrations
 from torch_xla_donate import _native as _compat
 from torch_xla_donate._native import call_gradient_accumulation
-from torch_xla_donate import _hooks as integrations
 
 
 def gradient_accumulation(train_step, iterable_tensors, model, *carried):

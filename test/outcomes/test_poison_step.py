@@ -13,9 +13,9 @@ import torch
 from helpers import materialize
 
 import torch_xla_donate as tdx
+from torch_xla_donate import _poison as poison
 from torch_xla_donate._messages import shape_string
 from torch_xla_donate._native import C, Verdict
-from torch_xla_donate import _poison as poison
 
 
 class Tagged(torch.Tensor):

@@ -233,8 +233,8 @@ def test_dropped_poisoned_donors_are_gone_before_the_next_barrier_walks(dev, wai
     (its entry lets go at the barrier after).  So the collector runs once
     before and not during the loop, which also shows the release owes the
     collector nothing."""
-    from torch_xla_donate import _xla as xla
     from torch_xla_donate import _commit as commit
+    from torch_xla_donate import _xla as xla
 
     n = 6
     state = [materialize(torch.full((8,), float(i), device=dev)) for i in range(n)]

@@ -13,10 +13,7 @@ from helpers import buffer_ptr, materialize, run_python
 
 import torch_xla_donate as tdx
 import torch_xla_donate._verdicts
-from torch_xla_donate import _C
-from torch_xla_donate import _guards
-from torch_xla_donate import _xla
-from torch_xla_donate import _verdicts as unused
+from torch_xla_donate import _C, _guards, _xla
 
 
 def test_async_loop_never_blocks_and_every_verdict_is_right(dev, monkeypatch):

@@ -30,8 +30,7 @@ import torch_xla.debug.metrics as met
 from helpers import materialize
 
 import torch_xla_donate as tdx
-from torch_xla_donate import _C
-from torch_xla_donate import report
+from torch_xla_donate import _C, report
 from torch_xla_donate import _verdicts as verdicts
 
 STEPS = int(os.environ.get("TDX_LONG_RUN_STEPS", 10_000))
