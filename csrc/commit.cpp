@@ -84,8 +84,10 @@ py::tuple Split_(py::object only) {
   if (!only.is_none()) keys.reserve(py::len(only));
   if (!only.is_none())
     for (auto t : only) keys.push_back(t.ptr());
-  std::vector<py::object> tensors;  // before the records: let go of last
-  std::vector<RecordPtr> records;
+  Scratch<py::object> tensors_scratch;  // before the records: let go of last
+  Scratch<RecordPtr> records_scratch;
+  std::vector<py::object>& tensors = *tensors_scratch;
+  std::vector<RecordPtr>& records = *records_scratch;
   const int64_t step =
       GlobalLedger().BeginStep(&tensors, &records, only.is_none() ? nullptr : &keys);
   Judged judged;
@@ -201,8 +203,8 @@ py::tuple Finish(py::list donors, bool release) {
 py::tuple SettleEntries(py::list entries, bool certain) {
   RequireBound();
   py::list unknown, unused;
-  std::vector<Record*> reused;
-  reused.reserve(py::len(entries));
+  Scratch<Record*> scratch;
+  std::vector<Record*>& reused = *scratch;
   struct SettleReused {  // also when a read raises
     std::vector<Record*>* records;
     ~SettleReused() { GlobalLedger().SettleAll(*records, Verdict::REUSED); }

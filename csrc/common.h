@@ -60,6 +60,29 @@ inline void FreeInstance(PyObject* self) {
   Py_DECREF(type);
 }
 
+// A vector this thread keeps between calls, cleared, capacity kept: a step's
+// vectors of donors would each ask malloc for a block of 1 KiB or more, which
+// makes glibc consolidate every small block freed since (benchmarks/README.md,
+// "Native optimizations").  A nested use of the same Tag just allocates.
+template <class T, int Tag = 0>
+class Scratch {
+ public:
+  Scratch() { v_.swap(Cache()); }
+  ~Scratch() {
+    v_.clear();
+    if (v_.capacity() > Cache().capacity()) Cache().swap(v_);
+  }
+  std::vector<T>& operator*() { return v_; }
+  std::vector<T>* operator->() { return &v_; }
+
+ private:
+  static std::vector<T>& Cache() {
+    thread_local std::vector<T> cache;
+    return cache;
+  }
+  std::vector<T> v_;
+};
+
 using Dims = c10::SmallVector<int64_t, 6>;           // no allocation per record for most shapes
 using FilePtr = std::shared_ptr<const std::string>;  // shared by a call site's records
 using DtypeName = const std::string*;                // interned: f32, bf16, pred, ...
@@ -127,7 +150,7 @@ class Ledger {
 
   mutable std::mutex mu_;
   int64_t next_id_ = 1, step_ = 0, generation_ = 0;
-  std::vector<Slot> marks_;
+  std::vector<Slot> marks_, spare_;                // spare_: a block kept for the next step's marks
   std::unordered_map<const void*, size_t> index_;  // tensor -> its slot
   std::deque<StepStats> history_;
   StepStats totals_;

@@ -141,7 +141,7 @@ int64_t Ledger::BeginStep(std::vector<py::object>* tensors, std::vector<RecordPt
     step = ++step_;
     if (only == nullptr) {
       taken.swap(marks_);
-      marks_.reserve(taken.size());  // the next step marks as many: one block, no regrowth
+      marks_.swap(spare_);  // last step's block: the next step marks as many
       index_.clear();
     } else {
       for (PyObject* key : *only) {
@@ -181,6 +181,9 @@ int64_t Ledger::BeginStep(std::vector<py::object>* tensors, std::vector<RecordPt
     tensors->push_back(std::move(slot.tensor));
     records->push_back(std::move(slot.record));
   }
+  taken.clear();
+  std::lock_guard<std::mutex> lock(mu_);
+  if (taken.capacity() > spare_.capacity()) spare_.swap(taken);
   return step;
 }
 
@@ -215,8 +218,8 @@ int64_t* CounterOf(StepStats* s, Verdict v, int64_t** bytes) {
 void Ledger::Settle(Record* record, Verdict verdict) { SettleAll({record}, verdict); }
 
 void Ledger::SettleAll(const std::vector<Record*>& records, Verdict verdict) {
-  std::vector<std::unique_ptr<void, void (*)(void*)>> held;  // let go after the lock
-  held.reserve(records.size());
+  Scratch<std::unique_ptr<void, void (*)(void*)>> scratch;  // let go after the lock
+  auto& held = *scratch;
   std::lock_guard<std::mutex> lock(mu_);
   for (Record* record : records) {
     if (record->verdict != Verdict::IN_FLIGHT) continue;  // settled once only
