@@ -104,9 +104,10 @@ def _walk(t):
     why = xla.find_arena()
     if why:
         return why
-    for _ in range(3):  # another thread may make or drop tensors meanwhile
+    for _ in range(5):  # torch_xla's threads may make or drop tensors meanwhile
         if C.live_count() == xla.live_tensor_count():
             break
+        xla.wait_device_ops()  # an execution still running lets go of its inputs
     else:
         return f"the walk counts {C.live_count()} live tensors, torch_xla {xla.live_tensor_count()}"
     tid = C.lazy_tensor_id(t)

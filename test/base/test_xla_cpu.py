@@ -79,7 +79,7 @@ def test_cpu_process_gets_the_flag_before_the_runtime_starts(tmp_path):
     out = _probe(tmp_path)
     assert out["xnnpack_off"] in (True, None), f"XLA compiled with XNNPACK on: {out['listed']}"
     assert out["stale"] == [] and out["fast"] is True
-    assert out["reused"] == [True, True]  # donation itself is unchanged
+    assert out["reused"] == [True, True], out["summary"]  # donation itself is unchanged
     if ON_BY_DEFAULT:
         assert out["state"] == "added"
         assert out["flags"].split().count("--xla_cpu_use_xnnpack=false") == 1
@@ -99,7 +99,7 @@ def test_unprotected_process_warns_once_at_the_first_donation(tmp_path, case):
     out = _probe(tmp_path, **kwargs)
     assert "--xla_cpu_use_xnnpack=false" not in out["flags"]
     assert out["fast"] is True  # warned once: the fast path is open again
-    assert out["reused"] == [True, True]
+    assert out["reused"] == [True, True], out["summary"]
     if case != "xnnpack on" and not ON_BY_DEFAULT:
         # This XLA has XNNPACK off anyway: nothing to warn about.
         assert out["state"] == "off by default" and out["stale"] == []
@@ -132,7 +132,7 @@ def test_xla_flags_replaced_after_the_import(tmp_path, order):
     start the package could not see is reported as lost and warned about
     once, and a replacement after the start changes nothing."""
     out = _probe(tmp_path, after_import=_REPLACED[order])
-    assert out["reused"] == [True, True]  # donation itself is unchanged
+    assert out["reused"] == [True, True], out["summary"]  # donation itself is unchanged
     assert "--xla_force_host_platform_device_count=4" in out["flags"]
     guard = out["metrics"].split("Setting: XlaCpuXnnpackGuard\n  Value: ")[-1]
     if not ON_BY_DEFAULT:  # 2.7, 2.8: nothing was added, nothing is owed
