@@ -13,7 +13,6 @@ from helpers import Wrapper, materialize, run_python
 
 from torch_xla_donate import _C
 from torch_xla_donate import _guards as guards
-from torch_xla_donate import _xla as reads
 from torch_xla_donate import _xla as xla
 
 X = torch_xla._XLAC
@@ -35,8 +34,8 @@ def R(dev, native_reads):
     """The native reads, by what each answers."""
     return types.SimpleNamespace(
         tensor_id=_C.lazy_tensor_id, is_pending=_C.lazy_is_pending,
-        is_consumed=_C.lazy_is_consumed, buffer_key=reads.read_buffer_key,
-        owner_ids=_C.lazy_owner_ids, holders=reads.read_holders, facts=reads.read_facts)
+        is_consumed=_C.lazy_is_consumed, buffer_key=xla.read_buffer_key,
+        owner_ids=_C.lazy_owner_ids, holders=xla.read_holders, facts=xla.read_facts)
 
 
 def _donated(dev):
@@ -132,7 +131,7 @@ def _read_into_op(dev):
 def test_clean_tensors_have_the_expected_holders(R, make, expected, dev):
     t = make(dev)
     got = R.holders([t])[0]
-    assert got == reads.Holders(expected, expected, 1)
+    assert got == xla.Holders(expected, expected, 1)
 
 
 def test_a_clone_read_before_its_step_is_an_extra_holder(R, dev):
@@ -295,7 +294,6 @@ import torch, torch_xla
 import torch_xla.core.xla_model as xm
 from torch_xla_donate import _C
 from torch_xla_donate import _guards as guards
-from torch_xla_donate import _xla as reads
 from torch_xla_donate import _xla as xla
 X = torch_xla._XLAC
 dev = torch_xla.device()
@@ -313,7 +311,7 @@ for t in (base, v, stale):  # torch_xla's own views (base is one now): no plain 
     assert _C.lazy_tensor_id(t) is None and _C.pending_flags([t]) == [True]
     assert X._check_tensor_need_materialization([t]) == [True]
 sync()
-assert reads.read_holders([base, copy]) == [None, None]  # torch_xla's views hold buffers unseen
+assert xla.read_holders([base, copy]) == [None, None]  # torch_xla's views hold buffers unseen
 print("PATH:", guards.state("reads"))
 print("FUNCTIONAL:", [_C.lazy_facts(t)[0] for t in (copy,) if _C.lazy_facts(t)])
 """

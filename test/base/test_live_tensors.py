@@ -13,8 +13,6 @@ import torch_xla
 from helpers import COPIES, collector_off, materialize, run_python
 
 from torch_xla_donate import _guards as guards
-from torch_xla_donate import _xla as arena
-from torch_xla_donate import _xla as reads
 from torch_xla_donate import _xla as xla
 from torch_xla_donate._native import C
 
@@ -23,7 +21,7 @@ from torch_xla_donate._native import C
 def walk(dev):
     t = materialize(torch.randn(8, 8).to(dev))
     guards.decide(t)  # the first mark decides the guards
-    assert arena.walk_in_use(), guards.state("walk")
+    assert xla.walk_in_use(), guards.state("walk")
     return t
 
 
@@ -36,7 +34,7 @@ def test_the_walk_counts_what_torch_xla_counts(walk, dev):
         kept = [walk + i for i in range(3)]
         assert C.live_count() == before + 3 == xla.live_tensor_count()
         ids = {row[0] for row in C.live_tensors()}
-        assert {reads.tensor_id(t) for t in kept + [walk]} <= ids
+        assert {xla.tensor_id(t) for t in kept + [walk]} <= ids
         del kept
         assert C.live_count() == before
 
@@ -45,7 +43,7 @@ def test_the_walk_counts_what_torch_xla_counts(walk, dev):
 def test_a_copy_made_since_the_barrier_is_found(walk, copy):
     c = COPIES[copy](walk)
     found = C.same_step_copies([walk]).get(0)
-    assert reads.tensor_id(c) in found
+    assert xla.tensor_id(c) in found
 
 
 READS = {
@@ -64,7 +62,7 @@ def test_what_only_reads_the_donor_is_no_holder(walk, use):
 
 def test_a_donor_that_is_itself_a_copy_finds_its_source(walk):
     c = walk.to(walk.device, copy=True)
-    assert reads.tensor_id(walk) in C.same_step_copies([c])[0]
+    assert xla.tensor_id(walk) in C.same_step_copies([c])[0]
     # Donated together: neither holds the other's value against the step.
     assert C.same_step_copies([walk, c]) == {}
 
@@ -77,9 +75,9 @@ def test_a_donor_that_is_itself_a_copy_finds_its_source(walk):
 
 def test_a_copy_into_an_older_tensor_is_found(walk):
     x = materialize(torch.zeros(8, 8).to(walk.device))  # its own buffer, at a barrier
-    older = reads.tensor_id(x)
+    older = xla.tensor_id(x)
     x.copy_(walk)
-    assert reads.tensor_id(x) == older  # the same XLA tensor, now reading walk's node
+    assert xla.tensor_id(x) == older  # the same XLA tensor, now reading walk's node
     assert older in C.same_step_copies([walk])[0]
 
 
@@ -116,7 +114,7 @@ def test_after_the_barrier_a_copy_holds_a_buffer_of_its_own_kind(walk):
     torch_xla.sync()
     # It now shares the buffer as a handle (holder counts see that), not as IR.
     assert C.same_step_copies([walk]) == {}
-    assert reads.read_buffer_key(c) == reads.read_buffer_key(walk)
+    assert xla.read_buffer_key(c) == xla.read_buffer_key(walk)
 
 
 def test_an_unreadable_donor_is_none(walk):
@@ -126,13 +124,13 @@ def test_an_unreadable_donor_is_none(walk):
 _GUARD = """
 import torch, torch_xla, warnings
 import torch_xla_donate as tdx
-from torch_xla_donate import _xla as arena
 from torch_xla_donate import _guards as guards
+from torch_xla_donate import _xla as xla
 {setup}
 dev = torch_xla.device()
 t = torch.randn(8, 8).to(dev)
 torch_xla.sync()
-print("IN USE:", guards.decide(t) and arena.walk_in_use())
+print("IN USE:", guards.decide(t) and xla.walk_in_use())
 print("STATE:", guards.state("walk"))
 print("SUMMARY:", [l for l in str(tdx.summary()).splitlines() if "registry" in l][0])
 print("METRICS:", tdx.metrics_report().split("LiveTensorRegistry\\n  Value: ")[1].splitlines()[0])
@@ -158,9 +156,9 @@ def _guarded(setup="", env=None):
 
 
 GUARDS = {
-    "a symbol the library lacks": ("arena.SYMBOL = b'_ZZN9torch_xla6NoSuchE5arena'", None,
+    "a symbol the library lacks": ("xla.SYMBOL = b'_ZZN9torch_xla6NoSuchE5arena'", None,
                                    "is not in"),
-    "a count torch_xla disagrees with": ("arena.live_tensor_count = lambda: -1", None,
+    "a count torch_xla disagrees with": ("xla.live_tensor_count = lambda: -1", None,
                                          "the walk counts"),
 }
 

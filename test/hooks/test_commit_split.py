@@ -17,7 +17,6 @@ from helpers import COPIES, buffer_ptr, materialize
 import torch_xla_donate as tdx
 from torch_xla_donate import _commit as commit
 from torch_xla_donate import _guards as guards
-from torch_xla_donate import _xla as arena
 from torch_xla_donate import _xla as xla
 from torch_xla_donate.errors import DroppedDonationWarning
 
@@ -51,7 +50,7 @@ def spy(monkeypatch, dev):
     tdx.donate_buffer(t)
     t = t * 2
     torch_xla.sync(wait=True)
-    assert arena.walk_in_use(), guards.state("walk")
+    assert xla.walk_in_use(), guards.state("walk")
     watched = _Spy(commit.C)
     monkeypatch.setattr(commit, "C", watched)
     return watched
