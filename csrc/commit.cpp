@@ -144,11 +144,8 @@ py::tuple ScreenOf(py::list entries, std::vector<int64_t> clones) {
 
 // Hands `t`'s buffer to `entry` through `keep`; false, nothing changed, if it cannot.
 bool KeepBuffer(PyObject* entry, PyObject* t, bool (*keep)(PyObject*, HeldBuffer*)) {
-  HeldBuffer* buffer = LazyReadsEnabled() ? TakeBuffer(ImplAddress(t)) : nullptr;
-  if (!buffer) return false;
-  if (keep(entry, buffer)) return true;
-  DropBuffer(buffer);
-  return false;
+  HeldBuffer buffer = LazyReadsEnabled() ? TakeBuffer(ImplAddress(t)) : nullptr;
+  return buffer && keep(entry, &buffer);
 }
 
 // Lets go of a donor only its entry refers to (a weak reference does not keep it): the entry
@@ -214,7 +211,7 @@ py::tuple SettleEntries(py::list entries, bool certain) {
     PyObject* t = TensorOf(entry.ptr(), &record);
     if ((*record)->verdict != Verdict::IN_FLIGHT) continue;
     const HeldBuffer* buffer = EntryBuffer(entry.ptr());
-    const int deleted = buffer ? HeldBufferConsumed(buffer) : BufferDeleted(t);
+    const int deleted = buffer ? HeldBufferConsumed(*buffer) : BufferDeleted(t);
     Check(deleted >= 0);
     if (deleted)
       reused.push_back(record->get());
@@ -242,7 +239,7 @@ void RegisterCommit(py::module_& m) {
           PyObject* t;
           const RecordPtr* record;
           if (!EntryParts(item.ptr(), &t, &record)) record = &RecordArg(item.ptr());
-          const auto* buffer = static_cast<const HeldBuffer*>((*record)->held.get());
+          const HeldBuffer& buffer = (*record)->held;
           if (reachable && !EntryTensorAlive(item.ptr())) continue;
           if (buffer && !HeldBufferConsumed(buffer)) live.append(item);
         }
@@ -253,7 +250,7 @@ void RegisterCommit(py::module_& m) {
       "entry_consumed",
       [](py::handle entry) -> py::object {
         const HeldBuffer* buffer = EntryBuffer(entry.ptr());
-        return buffer ? py::bool_(HeldBufferConsumed(buffer)) : py::object(py::none());
+        return buffer ? py::bool_(HeldBufferConsumed(*buffer)) : py::object(py::none());
       },
       py::arg("entry"), "Whether a released entry's buffer holds no value; None: ask the tensor.");
 }

@@ -100,8 +100,10 @@ struct Record {
   Verdict verdict = Verdict::MARKED;
   Via via = Via::DONATE_BUFFER;
   int64_t version = -1;  // the version counter when marked (-1: none kept)
-  // The buffer a released or weakened entry keeps until the verdict (entry.cpp).
-  std::unique_ptr<void, void (*)(void*)> held{nullptr, nullptr};
+  // The buffer (a BackendDataPtr) a released or weakened entry keeps until the verdict, and the
+  // weakened entry, for its tensor's finalizer (entry.cpp).
+  std::shared_ptr<void> held;
+  void* weak_entry = nullptr;
 
   std::string ShapeString() const;  // "f32[4,4]"
 };
@@ -165,11 +167,11 @@ const RecordPtr& RecordArg(PyObject* o);  // throws py::type_error for no Record
 PyObject* NewEntry(PyObject* tensor, const RecordPtr& record);
 // An Entry's or (tensor, Record) tuple's borrowed tensor (None once released) and record.
 bool EntryParts(PyObject* o, PyObject** tensor, const RecordPtr** record);
-struct HeldBuffer;
+using HeldBuffer = std::shared_ptr<void>;  // a BackendDataPtr (reads.h: TakeBuffer)
 bool ReleaseEntryTensor(PyObject* entry, HeldBuffer* buffer);  // takes `buffer` if true
 bool WeakenEntryTensor(PyObject* entry, HeldBuffer* buffer);   // takes `buffer` if true
 void EntryLetGoOfDead(PyObject* entry);                        // a weakened entry whose tensor died
-void WeakenedTensorDying(uintptr_t impl);                      // from a poisoned tensor's finalizer
+void WeakenedTensorDying(uintptr_t impl, Record* record);      // from a poisoned tensor's finalizer
 const HeldBuffer* EntryBuffer(PyObject* entry);                // null: keeps none, or settled
 bool EntryTensorAlive(PyObject* entry);  // its tensor still leads to its buffer
 void RegisterEntries(py::module_& m);

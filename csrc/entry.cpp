@@ -98,21 +98,18 @@ PyObject* RecordObject(PyEntry* e) {  // borrowed
   return e->record;
 }
 
-// Weakened entries by TensorImpl, a key kept from reuse by the entry's weak reference; GIL-guarded.
-std::unordered_map<uintptr_t, PyEntry*> g_weakened;
-
 void DropWeak(PyEntry* e) {
-  g_weakened.erase(e->weak);
+  if (e->native->weak_entry == e) e->native->weak_entry = nullptr;
   WeakTensorDrop(std::exchange(e->weak, 0));
 }
 
 bool KeepBufferOnRecord(PyObject* entry, HeldBuffer* buffer, uintptr_t weak) {
   PyEntry* e = AsEntry(entry);
   if (!e || e->buffer_on_record) return false;
-  e->native->held = {buffer, [](void* b) { DropBuffer(static_cast<HeldBuffer*>(b)); }};
+  e->native->held = std::move(*buffer);
   e->buffer_on_record = true;
   e->weak = weak;
-  if (weak != 0) g_weakened[weak] = e;
+  if (weak != 0) e->native->weak_entry = e;  // GIL-guarded, as the entry
   Py_SETREF(e->tensor, Py_NewRef(Py_None));  // frees a released donor; a weakened one lives on
   return true;
 }
@@ -240,14 +237,14 @@ void EntryLetGoOfDead(PyObject* entry) {
   if (e && e->weak != 0 && !WeakTensorAlive(e->weak)) DropWeak(e);
 }
 
-void WeakenedTensorDying(uintptr_t impl) {
-  auto it = g_weakened.find(impl);
-  if (it != g_weakened.end()) DropWeak(it->second);
+void WeakenedTensorDying(uintptr_t impl, Record* record) {
+  auto* e = static_cast<PyEntry*>(record->weak_entry);
+  if (e != nullptr && e->weak == impl) DropWeak(e);
 }
 
 const HeldBuffer* EntryBuffer(PyObject* entry) {
   PyEntry* e = AsEntry(entry);
-  return e && e->buffer_on_record ? static_cast<const HeldBuffer*>(e->native->held.get()) : nullptr;
+  return e && e->buffer_on_record && e->native->held ? &e->native->held : nullptr;
 }
 
 bool EntryTensorAlive(PyObject* entry) {

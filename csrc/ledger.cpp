@@ -218,7 +218,7 @@ int64_t* CounterOf(StepStats* s, Verdict v, int64_t** bytes) {
 void Ledger::Settle(Record* record, Verdict verdict) { SettleAll({record}, verdict); }
 
 void Ledger::SettleAll(const std::vector<Record*>& records, Verdict verdict) {
-  Scratch<std::unique_ptr<void, void (*)(void*)>> scratch;  // let go after the lock
+  Scratch<HeldBuffer> scratch;  // let go after the lock
   auto& held = *scratch;
   std::lock_guard<std::mutex> lock(mu_);
   for (Record* record : records) {

@@ -233,21 +233,28 @@ int SwapClass(PyObject* t, PyObject* twin) {
   return 0;
 }
 
+// The TensorImpl torch_xla computes with behind `t` (a functional wrapper's value); 0 for none.
+uintptr_t CoreImpl(PyObject* t, uintptr_t impl) {
+  return impl && ImplAt(impl)->key_set().has(c10::DispatchKey::Functionalize)
+             ? FunctionalInnerImpl(t)
+             : impl;
+}
+
 // A poisoned tensor's Python object is dying: its entry's weak reference goes, so its TensorImpl
-// and XLATensor die with it.
+// and XLATensor die with it.  A TensorImpl whose destructor frees the object (no strong reference
+// left) has no weak one either, so no entry: it is not read, being half destroyed.
 std::unordered_map<PyTypeObject*, destructor> g_user_finalizers;  // a twin's inherited __del__
 void TwinFinalize(PyObject* self) {
   auto it = g_user_finalizers.find(Py_TYPE(self));
   if (it != g_user_finalizers.end()) it->second(self);
-  if (const uintptr_t impl = ImplAddress(self)) WeakenedTensorDying(impl);
+  const uintptr_t impl = ImplAddress(self);
+  if (impl == 0 || c10::raw::intrusive_ptr::use_count(ImplAt(impl)) == 0) return;
+  const uintptr_t core = CoreImpl(self, impl);
+  if (RecordTag* tag = core ? TagOf(core) : nullptr) WeakenedTensorDying(impl, tag->record.get());
 }
 
-// The TensorImpl torch_xla computes with behind `t` (a functional wrapper's value).
 uintptr_t CoreOf(PyObject* t) {
-  const uintptr_t impl = ImplAddress(t);
-  const uintptr_t core = impl && ImplAt(impl)->key_set().has(c10::DispatchKey::Functionalize)
-                             ? FunctionalInnerImpl(t)
-                             : impl;
+  const uintptr_t core = CoreImpl(t, ImplAddress(t));
   if (core == 0) PyErr_SetString(PyExc_TypeError, "expected a readable torch.Tensor");
   return core;
 }

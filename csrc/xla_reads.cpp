@@ -221,24 +221,22 @@ int BufferDeleted(PyObject* t) {
   return -1;
 }
 
-struct HeldBuffer {
-  torch::lazy::BackendDataPtr data;
-};
+const torch::lazy::BackendData* AsData(const HeldBuffer& buffer) {
+  return static_cast<const torch::lazy::BackendData*>(buffer.get());
+}
 
-HeldBuffer* TakeBuffer(uintptr_t address) {
+HeldBuffer TakeBuffer(uintptr_t address) {
   try {
     bool functional = false;
     LazyTensor* lazy = XlaLazyTensorOf(address, &functional);
-    if (lazy == nullptr || !lazy->data()->handle) return nullptr;
-    return new HeldBuffer{lazy->data()->handle};
+    if (lazy == nullptr) return nullptr;
+    return lazy->data()->handle;  // shares its control block: no allocation
   } catch (...) {
     return nullptr;
   }
 }
 
-bool HeldBufferConsumed(const HeldBuffer* buffer) { return !buffer->data->HasValue(); }
-
-void DropBuffer(HeldBuffer* buffer) { delete buffer; }
+bool HeldBufferConsumed(const HeldBuffer& buffer) { return !AsData(buffer)->HasValue(); }
 
 bool PointCarrier(PyObject* carrier, const torch::lazy::BackendDataPtr& buffer) {
   LazyTensor* lazy = CarrierOf(carrier);
@@ -334,7 +332,9 @@ void RegisterXlaReads(py::module_& m) {
       "point_carrier",
       [](py::handle carrier, py::handle entry) {
         const HeldBuffer* buffer = EntryBuffer(entry.ptr());
-        return buffer != nullptr && PointCarrier(carrier.ptr(), buffer->data);
+        return buffer != nullptr &&
+               PointCarrier(carrier.ptr(),
+                            std::static_pointer_cast<torch::lazy::BackendData>(*buffer));
       },
       py::arg("carrier"), py::arg("entry"),
       "Points `carrier` at the buffer a released entry keeps; False when it keeps none.");

@@ -16,7 +16,7 @@
 namespace torch_xla_donate {
 namespace {
 std::vector<PyObject*> g_marked;       // strong references until the barrier
-std::vector<HeldBuffer*> g_in_flight;  // the buffers the verdicts read
+std::vector<HeldBuffer> g_in_flight;  // the buffers the verdicts read
 long g_consumed = 0, g_read = 0, g_verdicts = 0;
 }  // namespace
 
@@ -38,7 +38,7 @@ void RegisterLeanBound(py::module_& m) {
   m.def("lean_after", [](py::handle record) {
     const RecordPtr& tag = RecordArg(record.ptr());
     for (PyObject* t : g_marked) {
-      if (HeldBuffer* b = TakeBuffer(ImplAddress(t))) g_in_flight.push_back(b);
+      if (HeldBuffer b = TakeBuffer(ImplAddress(t))) g_in_flight.push_back(std::move(b));
       if (Poison(t, tag) != 0) throw py::error_already_set();
       Py_DECREF(t);
     }
@@ -46,10 +46,9 @@ void RegisterLeanBound(py::module_& m) {
   });
   // (consumed, read, verdicts) so far: the caller checks the work was done.
   m.def("lean_settle", []() {
-    for (HeldBuffer* b : g_in_flight) {
+    for (const HeldBuffer& b : g_in_flight) {
       g_consumed += HeldBufferConsumed(b);
       ++g_verdicts;
-      DropBuffer(b);
     }
     g_in_flight.clear();
     return py::make_tuple(g_consumed, g_read, g_verdicts);
