@@ -117,9 +117,9 @@ def test_ledger_releases_tensors_once_committed():
 
 
 def test_the_index_agrees_with_a_dict_through_marks_unmarks_and_steps():
-    # The ledger's index is an open-addressing table (csrc/base/ptr_index.h):
-    # tombstones, growth and clearing at a barrier must never lose a mark or
-    # invent one.  A seeded random walk, checked against a Python dict.
+    # The ledger's index (tensor -> slot, beside tombstoned slots): unmarking,
+    # compaction and clearing at a barrier must never lose a mark or invent
+    # one.  A seeded random walk, checked against a Python dict.
     import random
 
     rng = random.Random(8711)
