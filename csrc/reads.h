@@ -70,7 +70,7 @@ struct LazyFacts {
 bool ReadLazyFacts(uintptr_t impl, LazyFacts* out);
 bool ReadLazy(PyObject* t, LazyFacts* facts);  // while reads are enabled
 bool LazyReadsEnabled();
-int BufferDeleted(PyObject* t);          // -1 with a TypeError when it cannot be read
+int BufferDeleted(PyObject* t);         // -1 with a TypeError when it cannot be read
 HeldBuffer TakeBuffer(uintptr_t impl);  // a copy of the tensor's BackendDataPtr, or null
 bool HeldBufferConsumed(const HeldBuffer& buffer);
 void RegisterXlaReads(py::module_& m);
