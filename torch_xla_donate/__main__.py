@@ -1,6 +1,7 @@
 """``python -m torch_xla_donate advise script.py [args...]``: runs the script inside ``tdx.advise()``
 and prints the dead step inputs it found, largest first (``XLA_IR_DEBUG=1`` for the lines)."""
 
+import os
 import runpy
 import sys
 
@@ -15,6 +16,8 @@ def main(argv=None) -> int:
     import torch_xla_donate as tdx
 
     script, sys.argv = argv[1], argv[1:]
+    # As `python script.py` would: the script's directory, not ours, is first on the path.
+    sys.path[0] = os.path.dirname(os.path.abspath(script))
     with tdx.advise() as advice:
         try:
             runpy.run_path(script, run_name="__main__")

@@ -275,6 +275,29 @@ def test_python_m_advise_prints_the_table_for_a_script(tmp_path):
         proc.stderr
 
 
+def test_python_m_advise_runs_a_script_as_python_would(tmp_path):
+    """The script imports a module beside it, from another directory, and its
+    exit status is the command's; the advice is printed either way."""
+    (tmp_path / "proj").mkdir()
+    (tmp_path / "proj" / "beside.py").write_text("def double(x):\n    return x * 2\n")
+    (tmp_path / "proj" / "run.py").write_text(
+        "import sys\nimport torch, torch_xla\nfrom beside import double\n"
+        "x = torch.ones(4, 4, device=torch_xla.device())\n"
+        "for _ in range(3):\n    x = double(x)\n    torch_xla.sync()\n"
+        "assert x.cpu()[0, 0].item() == 8.0\nsys.exit(3)\n")
+    proc = subprocess.run([sys.executable, "-m", "torch_xla_donate", "advise", "proj/run.py"],
+                          cwd=tmp_path, env=dict(os.environ, PJRT_DEVICE="CPU",
+                                                 PYTHONPATH=_package_root()),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 3, proc.stderr
+    assert "ModuleNotFoundError" not in proc.stderr and "step(s)" in proc.stderr, proc.stderr
+
+
+def _package_root():
+    import torch_xla_donate
+    return os.path.dirname(os.path.dirname(os.path.abspath(torch_xla_donate.__file__)))
+
+
 def _train(dev, on):
     """Three steps of an MLP with SGD momentum (in-place updates, autograd,
     optimizer state): every value auto leaves alone or donates must match."""
