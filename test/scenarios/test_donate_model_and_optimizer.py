@@ -18,6 +18,19 @@ import torch_xla
 from helpers import materialize, settle_autograd, settled_sync
 
 import torch_xla_donate as tdx
+from torch_xla_donate import _native
+
+# torch_xla 2.8.1's XLA rounds the aliased functional Adam update differently
+# (weight and moments, a few ulps): its own _set_buffer_donation, with no
+# plugin, gives the same difference (docs/testing.md, "Each release").
+_LAST_BIT = _native.release(torch_xla.__version__)[:2] == (2, 8)
+
+
+def _assert_same(a, b, what=""):
+    if _LAST_BIT:
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    else:
+        assert torch.equal(a, b), what
 
 
 class _Masked(torch.nn.Module):
@@ -174,8 +187,8 @@ def test_donating_an_optimizer_skips_its_cpu_counters_and_donates_the_rest(dev, 
     plain_model, plain_opt, plain_consumed = _adam_loop(dev, update, donate=False)
     assert plain_consumed == [0, 0, 0]
     for p, q in zip(model.parameters(), plain_model.parameters()):
-        assert torch.equal(p.cpu(), q.cpu())
+        _assert_same(p.cpu(), q.cpu())
         s, t = opt.state[p], plain_opt.state[q]
         assert s["step"].device.type == "cpu" and s["step"].item() == t["step"].item() == 4
         for k in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(s[k].cpu(), t[k].cpu()), k
+            _assert_same(s[k].cpu(), t[k].cpu(), k)
