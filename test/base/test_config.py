@@ -286,6 +286,7 @@ with warnings.catch_warnings(record=True) as caught:
         outcome = "UnusedDonationError"
 kinds = sorted(type(w.message).__name__ for w in caught)
 print("unusable:", outcome, kinds, "x", x.cpu().tolist(), "marked", _C.marked_count())
+print("why:", [str(w.message) for w in caught if "Disabled" in type(w.message).__name__])
 
 # A usable donation, twice, with the disabled warning counted.
 with warnings.catch_warnings(record=True) as caught:
@@ -346,7 +347,9 @@ def test_env_disable_switches_donation_off_and_warns_each_call_under_always(prob
 def test_env_zero_leaves_the_defaults(probes):
     lines = probes["zero"]
     assert "{'strict': False, 'enabled': True, 'auto': False}" in lines["config"]
-    assert "unusable: no error ['UnusedDonationWarning'] x [0.0, 1.0, 2.0] marked 0" in lines["unusable"]
+    # "why" names the guard that failed, if one switched donation off.
+    assert "unusable: no error ['UnusedDonationWarning'] x [0.0, 1.0, 2.0] marked 0" in \
+        lines["unusable"], lines["why"]
     assert "usable: consumed [] new [2.0, 2.0, 2.0, 2.0]" in lines["usable"]
 
 
