@@ -75,10 +75,21 @@ def _can_serve(t) -> bool:
 
 # Each guard returns None when it passes, else why not.
 def _reads(t):
-    """The native read of ``t`` agrees with ``_XLAC``."""
+    """The native read of ``t`` agrees with ``_XLAC``. An execution still writing ``t`` may fill
+    its buffer between the two reads, so a disagreement counts once the device is idle."""
     why = C.lazy_learn(t)
     if why:
         return why
+    why = _disagreement(t)
+    if why is not None:
+        xla.wait_device_ops(t.device)
+        why = _disagreement(t)
+    if why is None:
+        C.lazy_set_enabled(True)
+    return why
+
+
+def _disagreement(t):
     facts = C.lazy_facts(t, force=True)
     if facts is None:
         return "the native read declined the first tensor marked"
@@ -95,7 +106,6 @@ def _reads(t):
     for what, native, expected in checks:
         if native != expected:
             return f"{what}: native {native}, _XLAC {expected}"
-    C.lazy_set_enabled(True)
     return None
 
 
