@@ -1,5 +1,5 @@
 """``python -m torch_xla_donate advise script.py [args...]``: runs the script inside ``tdx.advise()``
-and prints the dead step inputs it found, largest first (``XLA_IR_DEBUG=1`` for the lines)."""
+and prints the dead step inputs it found, largest first, with the line that first read each."""
 
 import os
 import runpy

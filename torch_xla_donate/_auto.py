@@ -35,7 +35,8 @@ _LIBRARY = ("/torch/", "/torch_xla/", "/torch_xla_donate/", "<frozen")
 
 
 class Input(NamedTuple):
-    """One dead step input; ``line`` (``file:line`` of its first read) only with ``XLA_IR_DEBUG=1``."""
+    """One dead step input; ``line``: ``file:line`` of its first read in the step (known while an
+    ``advise()`` is open, which keeps IR frames), None outside one or when only libraries read it."""
 
     shape: tuple
     dtype: torch.dtype | None
@@ -60,7 +61,7 @@ def _describe(node_text: str, frames) -> Input:
 
 
 _lock = threading.Lock()
-_state = {"warned": False, "prepared": False}
+_state = {"warned": False, "prepared": False, "ir_debug": False}
 _totals = {"steps": 0, "armed": 0, "armed_bytes": 0, "reused": 0, "reused_bytes": 0, "aliased": 0,
            "search_seconds": 0.0}  # fmt: skip
 _in_flight = []  # (DeadInputs, [Input]) armed at a commit, verdict not read yet
@@ -274,7 +275,7 @@ class Advice:
         lines = [head + ":"]
         lines += ["  " + "  ".join(cell.ljust(w) for cell, w in zip(r, widths)) + "  " + r[5] for r in rows]
         if any(e.line is None for e in entries):
-            lines.append("  (lines: set XLA_IR_DEBUG=1 before torch_xla starts)")
+            lines.append("  (?: read only inside libraries; the line calling them reads it)")
         return "\n".join(lines)
 
     def __repr__(self) -> str:
@@ -295,9 +296,13 @@ class advise:
                 "(tdx.donate_buffer / tdx.donate) instead."
             )
         self.advice = Advice()
+        if not advisors:  # the first read's line: IR nodes keep their frames while advising
+            _state["ir_debug"] = xla.set_ir_debug(True)
         advisors.append(self.advice)
         return self.advice
 
     def __exit__(self, *exc_info):
         settle()  # the last step's findings, judged
         advisors.remove(self.advice)
+        if not advisors:
+            xla.set_ir_debug(_state["ir_debug"])

@@ -108,6 +108,14 @@ def default_device() -> torch.device:
     return torch.device(_XLAC._xla_get_default_device())
 
 
+def set_ir_debug(on: bool) -> bool:
+    """Whether new IR nodes keep the Python frames that made them (torch's
+    ``FLAGS_torch_lazy_ir_debug``, ``XLA_IR_DEBUG``); returns the old setting."""
+    old = bool(_XLAC._get_ir_debug())
+    _XLAC._set_ir_debug(bool(on))
+    return old
+
+
 @functools.cache
 def local_device_count() -> int:
     """Runtime devices this process drives (1 under SPMD); fixed once the runtime is up."""
