@@ -62,8 +62,8 @@ def _describe(node_text: str, frames) -> Input:
 
 _lock = threading.Lock()
 _state = {"warned": False, "prepared": False, "ir_debug": False}
-_totals = {"steps": 0, "armed": 0, "armed_bytes": 0, "reused": 0, "reused_bytes": 0, "aliased": 0,
-           "search_seconds": 0.0}  # fmt: skip
+_totals = {"steps": 0, "steps_alone": 0, "armed": 0, "armed_bytes": 0, "reused": 0, "reused_bytes": 0,
+           "aliased": 0, "search_seconds": 0.0}  # fmt: skip
 _in_flight = []  # (DeadInputs, [Input]) armed at a commit, verdict not read yet
 _advised = []  # (DeadInputs, [Input], [Advice]) found while advising, not yet judged
 advisors = []  # the open ``advise()`` blocks, innermost last
@@ -132,14 +132,16 @@ def at_commit(device):
     return found, inputs, device
 
 
-def after_graph(token) -> None:
-    """Once the execution's graph is built: disarm, and keep the buffers until their verdict."""
+def after_graph(token, alone: bool) -> None:
+    """Once the execution's graph is built: disarm, and keep the buffers until their verdict.
+    ``alone``: the step donated nothing explicitly (the ledger did not count it)."""
     if token is None:
         return
     found, inputs, device = token
     xla.set_unheld_flags(device, found.point, len(inputs), False)
     with _lock:
         _totals["steps"] += 1
+        _totals["steps_alone"] += alone
         _totals["armed"] += len(inputs)
         _totals["armed_bytes"] += sum(i.nbytes for i in inputs)
         _in_flight.append((found, inputs))
@@ -191,12 +193,20 @@ def braces_safe(error) -> str:
 
 
 def totals() -> dict:
-    """steps, armed (count, bytes), reused (count, bytes), in flight, aliased (dead inputs
-    torch_xla reuses itself), search seconds."""
+    """steps (``steps_alone``: of them without explicit donors), armed (count, bytes), reused
+    (count, bytes), in flight (count, bytes), aliased (dead inputs torch_xla reuses itself),
+    search seconds."""
     with _lock:
         out = dict(_totals)
         out["in_flight"] = sum(len(i) for _, i in _in_flight)
+        out["in_flight_bytes"] = sum(i.nbytes for _, inputs in _in_flight for i in inputs)
     return out
+
+
+def reset_totals() -> None:
+    """Counts from zero again (tests, beside ``C.reset()``); armed buffers stay in flight."""
+    with _lock:
+        _totals.update((k, type(v)()) for k, v in _totals.items())
 
 
 def describe_totals() -> str:

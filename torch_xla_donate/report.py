@@ -47,12 +47,14 @@ class StepReport:
     in_flight: int
     lost: int = 0
     lost_bytes: int = 0
+    auto_donated: int = 0  # dead inputs automatic donation armed (totals only; in ``donated``)
+    auto_reused: int = 0  # of them, taken by an output (in ``reused``)
 
     @property
     def poisoned(self) -> int:
-        """Tensors that now refuse every use: the reused ones (those the user had dropped are
-        freed instead).  An in-flight donation is poisoned provisionally."""
-        return self.reused
+        """Tensors that now refuse every use: the reused ones the user marked (those the user
+        had dropped are freed instead).  An in-flight donation is poisoned provisionally."""
+        return self.reused - self.auto_reused
 
     @property
     def settled(self) -> bool:
@@ -60,7 +62,7 @@ class StepReport:
 
     @classmethod
     def _from_stats(cls, stats: dict, step=...) -> "StepReport":
-        fields = {f.name: stats.get(f.name) for f in dataclasses.fields(cls)}  # the ledger's names
+        fields = {f.name: stats.get(f.name, f.default) for f in dataclasses.fields(cls)}  # the ledger's names
         fields["unused_shapes"] = tuple(stats["unused_shapes"])
         if step is not ...:  # totals: every donation without a verdict yet is in flight
             judged = ("reused", "unused", "updated_in_place", "dropped", "failed", "lost")
@@ -93,8 +95,9 @@ class StepReport:
 
 @dataclasses.dataclass(frozen=True)
 class Summary:
-    """Totals over every step since import (or ``C.reset()``), and the reports of the last
-    ``C.HISTORY_STEPS`` steps that donated."""
+    """Totals over every step since import (or ``C.reset()`` and ``auto.reset_totals()``), with
+    automatic donation's dead inputs in them, and the reports of the last ``C.HISTORY_STEPS``
+    steps that donated explicitly."""
 
     steps: int
     totals: StepReport
@@ -114,7 +117,7 @@ class Summary:
     def __str__(self) -> str:
         t = self.totals
         rows = [
-            ("reused (poisoned)", t.reused, t.reused_bytes),
+            ("reused (poisoned)" if not t.auto_donated else "reused", t.reused, t.reused_bytes),
             ("unused", t.unused, t.unused_bytes),
             ("updated in place", t.updated_in_place, t.updated_in_place_bytes),
             ("dropped", t.dropped, t.dropped_bytes),
@@ -123,6 +126,8 @@ class Summary:
         ]
         if t.in_flight:
             rows.append(("in flight", t.in_flight, None))
+        if t.auto_donated:  # not poisoned: no tensor of the user's held them
+            rows.insert(1, ("  of them automatic", t.auto_reused, None))
         lines = [
             f"torch_xla_donate: {self.steps} step(s) donated {t.donated} buffer(s) ({size(t.donated_bytes)})"
         ]
@@ -179,9 +184,23 @@ def last_step_report(step: int | None = None) -> StepReport | None:
     return None if stats is None else StepReport._from_stats(stats)
 
 
+def _totals() -> dict:
+    """The ledger's totals with automatic donation's dead inputs in them: armed counts as
+    donated, taken by an output as reused, settled and not taken as unused."""
+    totals, a = dict(C.totals()), auto.totals()
+    settled, settled_bytes = a["armed"] - a["in_flight"], a["armed_bytes"] - a["in_flight_bytes"]
+    for field, value in (("steps", a["steps_alone"]), ("donated", a["armed"]),
+                         ("donated_bytes", a["armed_bytes"]), ("reused", a["reused"]),
+                         ("reused_bytes", a["reused_bytes"]), ("unused", settled - a["reused"]),
+                         ("unused_bytes", settled_bytes - a["reused_bytes"])):
+        totals[field] += value
+    totals.update(auto_donated=a["armed"], auto_reused=a["reused"])
+    return totals
+
+
 def summary() -> Summary:
     """Totals across steps, the reports of the steps still in history, and the guards' states."""
-    totals = C.totals()
+    totals = _totals()
     return Summary(
         steps=totals["steps"],
         totals=StepReport._from_stats(totals, step=None),
@@ -209,7 +228,7 @@ def note_skipped_on_cpu(count: int) -> None:
 def metrics_report() -> str:
     """The plugin's counters (``COUNTERS``) and guards' states, in the format of
     ``torch_xla.debug.metrics.short_metrics_report()``."""
-    totals = C.totals()
+    totals = _totals()
     text = "".join(f"Counter: {name}\n  Value: {totals[field]}\n" for name, field in COUNTERS.items())
     for name, guard in (("TensorReads", "reads"), ("LiveTensorRegistry", "walk"), ("Poisoning", "poisoning")):
         text += f"Setting: {name}\n  Value: {guards.state(guard)}\n"
@@ -254,7 +273,7 @@ def _push_before_reading() -> None:
         with _lock:
             if not _counters_ok:
                 return
-            totals = C.totals()
+            totals = _totals()
             for name, field in COUNTERS.items():
                 value = totals[field]
                 delta = value - _pushed.get(name, 0)

@@ -79,6 +79,7 @@ def test_every_dead_input_is_reused(dev, context):
     xs = _fresh(dev)
     old = {buffer_ptr(x) for x in xs}
     armed, reused = _armed()
+    before = tdx.summary().totals
     with _auto():
         box = [xs]
         del xs
@@ -87,6 +88,11 @@ def test_every_dead_input_is_reused(dev, context):
     assert {buffer_ptr(x) for x in xs} == old  # the new values in the old buffers
     assert all(torch.equal(x.cpu(), e) for x, e in zip(xs, expected))
     assert "automatic: " in str(tdx.summary())
+    # The totals count them as donated and reused, none poisoned (no tensor held them).
+    after = tdx.summary().totals
+    grew = [getattr(after, f) - getattr(before, f) for f in ("donated", "reused", "auto_reused", "poisoned")]
+    assert grew == [N, N, N, 0], grew
+    assert after.reused_bytes - before.reused_bytes == N * INPUTS[0].nbytes
 
 
 HOLDERS = {

@@ -10,6 +10,7 @@ from helpers import buffer_ptr, materialize, run_python
 
 import torch_xla_donate as tdx
 from torch_xla_donate import _C, report
+from torch_xla_donate import _auto as auto
 from torch_xla_donate import _commit as commit
 
 
@@ -112,6 +113,7 @@ def test_summary_totals_add_up_over_steps(dev):
     # difference (an offset would cancel out).
     tdx.settle()
     _C.reset()
+    auto.reset_totals()
     state = materialize(torch.zeros(128, device=dev))
     first = buffer_ptr(state)
     for _ in range(3):
@@ -198,10 +200,10 @@ def test_counters_reach_torch_xla_metrics(dev):
     assert _counter("DonatedBufferBytesReused") - before["DonatedBufferBytesReused"] == 800
     # torch_xla's own report lists them next to its counters.
     assert "Counter: DonatedBuffersReused" in met.metrics_report()
-    # Ours prints every counter, from the ledger, in the same format.
-    totals = _C.totals()
+    # Ours prints every counter, from the summary's totals, in the same format.
+    totals = tdx.summary().totals
     text = tdx.metrics_report()
-    assert f"Counter: DonatedBuffersReused\n  Value: {totals['reused']}\n" in text
+    assert f"Counter: DonatedBuffersReused\n  Value: {totals.reused}\n" in text
     assert text.count("Counter: ") == len(report.COUNTERS)
 
 
