@@ -30,6 +30,7 @@ class DeadInputs {
  public:
   size_t live = 0, pending = 0, nodes = 0;
   size_t aliased = 0;  // dead, but torch_xla's own aliasing reuses them
+  size_t blocked = 0;  // not 0-dim, unheld by the walk, but a count or write the walk cannot see
   double seconds = 0;
   std::vector<Dead> dead;
 
@@ -60,6 +61,13 @@ class DeadInputs {
     dead = std::move(kept);
   }
 };
+
+// A device-data node's text names a 0-dim buffer ("xla_shape=f32[]{}"): never donated.
+bool IsZeroDim(const std::string& text) {
+  const size_t shape = text.find("xla_shape=");
+  const size_t open = shape == std::string::npos ? shape : text.find('[', shape);
+  return open != std::string::npos && open + 1 < text.size() && text[open + 1] == ']';
+}
 
 // Visits each node reachable from `roots` once; `visit(node)`: whether to go into its operands.
 template <typename Visit>
@@ -121,8 +129,12 @@ std::unique_ptr<DeadInputs> FindDeadInputs(bool describe) {
     if (held_nodes.count(node)) return false;
     BackendDataPtr buffer = backend->GetComputationDataFromNode(node);
     if (!buffer || !seen.insert(buffer.get()).second) return false;
-    // The node's own holder and this copy: nothing else.
-    if (buffer.use_count() != 2 || !buffer->HasValue()) return false;
+    // The node's own holder and this copy: nothing else.  An execution still running holds its
+    // arguments and writes its outputs: Python waits and asks again when any is blocked so.
+    if (buffer.use_count() != 2 || !buffer->HasValue()) {
+      if (!IsZeroDim(node->ToString())) ++out->blocked;
+      return false;
+    }
     // torch_xla aliases it to an output itself (arming it too would change nothing).
     auto* info = dynamic_cast<torch::lazy::LazyGraphExecutor::DeviceDataInfo*>(buffer->info());
     if (info != nullptr && !info->read_only && outputs.count(info->tensor_id)) {
@@ -151,6 +163,7 @@ void RegisterDeadInputs(py::module_& m) {
       .def_readonly("pending", &DeadInputs::pending, "of them pending (the IR roots)")
       .def_readonly("nodes", &DeadInputs::nodes, "IR nodes visited")
       .def_readonly("aliased", &DeadInputs::aliased, "dead inputs torch_xla aliases itself")
+      .def_readonly("blocked", &DeadInputs::blocked, "inputs held by what the walk cannot see")
       .def_readonly("seconds", &DeadInputs::seconds, "time the search took")
       .def("describe", &DeadInputs::Describe)
       .def("point", &DeadInputs::Point, py::arg("carrier"), py::arg("index"))

@@ -100,7 +100,7 @@ def at_commit(device):
     advisors or, with ``auto``, armed.  Returns ``after_graph``'s token or None."""
     if not advisors and not config.auto():
         return None
-    _settle_in_flight()
+    _settle_in_flight(final=False)
     if _advised:  # judged only once the execution that read them ran
         settle()
     why = unavailable()
@@ -113,6 +113,13 @@ def at_commit(device):
             warnings.warn(message, AutoDonationUnavailableWarning, stacklevel=2)
         return None
     found = C.find_dead_inputs(describe=bool(advisors))
+    if found.blocked:
+        # An execution still running holds or writes some: they are dead once it ends, so
+        # decide after it (as a donor's excess holders are), not by how far it got.
+        found.release()
+        xla.wait_device_ops(device)
+        _settle_in_flight()
+        found = C.find_dead_inputs(describe=bool(advisors))
     inputs = [_describe(text, frames) for text, frames in found.describe()]
     mask = [bool(i.shape) and i.dtype is not None for i in inputs]  # never a 0-dim buffer
     found.keep(mask)
@@ -155,16 +162,25 @@ def abandon(token) -> None:
         found.release()
 
 
-def _settle_in_flight() -> None:
+def _settle_in_flight(final: bool = True) -> None:
+    """Counts and releases armed dead inputs; ``final=False`` (the device may still be running
+    their step): only those all taken, the others wait for a verdict after the device."""
     with _lock:
         entries = _in_flight[:]
         del _in_flight[:]
+    waiting = []
     for found, inputs in entries:
-        for consumed, i in zip(found.consumed(), inputs):
-            if consumed:
+        consumed = found.consumed()
+        if not final and not all(consumed):
+            waiting.append((found, inputs))
+            continue
+        for taken, i in zip(consumed, inputs):
+            if taken:
                 _totals["reused"] += 1
                 _totals["reused_bytes"] += i.nbytes
         found.release()
+    with _lock:
+        _in_flight[:0] = waiting
 
 
 def _settle_advised() -> None:
