@@ -2,6 +2,7 @@
 // its IR holds (its device_data node, and this walk).  A miss errs towards "held".
 #include <pybind11/stl.h>
 #include <torch/csrc/lazy/backend/backend_interface.h>
+#include <torch/csrc/lazy/core/hash.h>
 #include <torch/csrc/lazy/core/ir.h>
 #include <torch/csrc/lazy/core/lazy_graph_executor.h>
 
@@ -21,6 +22,7 @@ using torch::lazy::Node;
 // One dead input: its buffer (held from the search to its verdict) and what describes it.
 struct Dead {
   BackendDataPtr buffer;
+  size_t index = 0;       // among the graph's device-data nodes, in the search's order
   std::string node_text;  // the device-data node's ToString (its xla_shape)
   std::vector<std::tuple<std::string, std::string, int>> frames;  // file, function, line
 };
@@ -32,6 +34,7 @@ class DeadInputs {
   size_t aliased = 0;  // dead, but torch_xla's own aliasing reuses them
   size_t blocked = 0;  // not 0-dim, unheld by the walk, but a count or write the walk cannot see
   double seconds = 0;
+  std::string graph;  // the pending IR's hash: the same graph, the same key
   std::vector<Dead> dead;
 
   py::list Describe() const {  // (node text, frames) per dead input
@@ -44,6 +47,13 @@ class DeadInputs {
   bool Point(py::handle carrier, size_t i) {
     if (i >= dead.size()) throw py::index_error("no such dead input");
     return PointCarrier(carrier.ptr(), dead[i].buffer);
+  }
+
+  std::vector<size_t> Indices() const {
+    std::vector<size_t> out;
+    out.reserve(dead.size());
+    for (const Dead& d : dead) out.push_back(d.index);
+    return out;
   }
 
   std::vector<bool> Consumed() const {  // per dead input: the step took its buffer
@@ -92,6 +102,7 @@ std::unique_ptr<DeadInputs> FindDeadInputs(bool describe) {
   const c10::Symbol device_data = DeviceDataOp();
   // The pending tensors' IR nodes, owned: the walk keeps each Data alive only while visited.
   std::vector<torch::lazy::NodePtr> roots, kept;
+  std::vector<size_t> root_outputs;            // which output of its root node each reads
   std::unordered_set<const Node*> held_nodes;  // device-data nodes live tensors hold
   std::unordered_set<int64_t> outputs;         // ids of the pending tensors
   bool walked = false;
@@ -106,6 +117,7 @@ std::unique_ptr<DeadInputs> FindDeadInputs(bool describe) {
         // Pending: the barrier computes it.  Its Data is alive here.
         const auto& data = *reinterpret_cast<const LazyTensor::Data*>(t.data);
         roots.push_back(data.ir_value.node);
+        root_outputs.push_back(data.ir_value.index);
         outputs.insert(data.unique_id);
       } else {
         // A buffer and IR that is not device data: the barrier leaves it, so its IR's reads stay.
@@ -115,6 +127,11 @@ std::unique_ptr<DeadInputs> FindDeadInputs(bool describe) {
   }
   if (!walked) throw py::value_error("the live-tensor registry walk is off");
   out->pending = roots.size();
+  torch::lazy::hash_t graph = torch::lazy::Hash(static_cast<uint64_t>(roots.size()));
+  for (size_t i = 0; i < roots.size(); ++i)
+    graph = torch::lazy::HashCombine(
+        graph, torch::lazy::HashCombine(roots[i]->hash(), static_cast<uint64_t>(root_outputs[i])));
+  out->graph = torch::lazy::HashToString(graph);
   const torch::lazy::BackendImplInterface* backend = torch::lazy::getBackend();
   // IR the barrier does not compute: every device-data node it reads is held.
   VisitIr(kept, [&](const Node* node) {
@@ -122,10 +139,12 @@ std::unique_ptr<DeadInputs> FindDeadInputs(bool describe) {
     return true;
   });
   std::unordered_set<const torch::lazy::BackendData*> seen;
+  size_t index = 0;
   // A device-data node ends its branch, dead or not.
   VisitIr(roots, [&](const Node* node) {
     ++out->nodes;
     if (node->op().op != device_data) return true;
+    const size_t this_index = index++;
     if (held_nodes.count(node)) return false;
     BackendDataPtr buffer = backend->GetComputationDataFromNode(node);
     if (!buffer || !seen.insert(buffer.get()).second) return false;
@@ -143,6 +162,7 @@ std::unique_ptr<DeadInputs> FindDeadInputs(bool describe) {
     }
     Dead d;
     d.buffer = std::move(buffer);
+    d.index = this_index;
     d.node_text = node->ToString();
     if (describe)
       for (const auto& f : node->metadata().frame_info)
@@ -165,6 +185,8 @@ void RegisterDeadInputs(py::module_& m) {
       .def_readonly("aliased", &DeadInputs::aliased, "dead inputs torch_xla aliases itself")
       .def_readonly("blocked", &DeadInputs::blocked, "inputs held by what the walk cannot see")
       .def_readonly("seconds", &DeadInputs::seconds, "time the search took")
+      .def_readonly("graph", &DeadInputs::graph, "the pending IR's hash")
+      .def("indices", &DeadInputs::Indices)
       .def("describe", &DeadInputs::Describe)
       .def("point", &DeadInputs::Point, py::arg("carrier"), py::arg("index"))
       .def("consumed", &DeadInputs::Consumed)

@@ -63,8 +63,10 @@ def _describe(node_text: str, frames) -> Input:
 _lock = threading.Lock()
 _state = {"warned": False, "prepared": False, "ir_debug": False}
 _totals = {"steps": 0, "steps_alone": 0, "armed": 0, "armed_bytes": 0, "reused": 0, "reused_bytes": 0,
-           "aliased": 0, "search_seconds": 0.0}  # fmt: skip
+           "aliased": 0, "held_back": 0, "held_back_bytes": 0, "search_seconds": 0.0}  # fmt: skip
 _in_flight = []  # (DeadInputs, [Input]) armed at a commit, verdict not read yet
+_donor_sets = collections.OrderedDict()  # pending-IR hash -> dead-input indices it first armed
+_DONOR_SETS = 4096  # graphs remembered, oldest forgotten first
 _advised = []  # (DeadInputs, [Input], [Advice]) found while advising, not yet judged
 advisors = []  # the open ``advise()`` blocks, innermost last
 
@@ -133,10 +135,34 @@ def at_commit(device):
         with _lock:
             _advised.append((found, inputs, list(advisors)))
         return None
+    same = _same_donors(found.graph, found.indices())
+    found.keep(same)
+    with _lock:
+        _totals["held_back"] += same.count(False)
+        _totals["held_back_bytes"] += sum(i.nbytes for i, keep in zip(inputs, same) if not keep)
+    inputs = [i for i, keep in zip(inputs, same) if keep]
     if not inputs:
         return None
     xla.set_unheld_flags(device, found.point, len(inputs), True)
     return found, inputs, device
+
+
+def _same_donors(graph: str, indices) -> list:
+    """Which dead inputs to arm: a graph's first execution decides, later ones arm none other
+    (another donor set is another executable, and auto must not add a compile to a loop whose
+    graph is stable).  Those the first one armed but are held now cannot be helped.
+
+    >>> _same_donors("doctest graph", [0, 2]), _same_donors("doctest graph", [0, 1, 2])
+    ([True, True], [True, False, True])
+    """
+    with _lock:
+        first = _donor_sets.get(graph)
+        if first is None:
+            _donor_sets[graph] = frozenset(indices)
+            if len(_donor_sets) > _DONOR_SETS:
+                _donor_sets.popitem(last=False)
+            return [True] * len(indices)
+    return [i in first for i in indices]
 
 
 def after_graph(token, alone: bool) -> None:
@@ -232,6 +258,9 @@ def describe_totals() -> str:
         return ""
     text = f"{t['armed']} dead input(s) ({size(t['armed_bytes'])}) in {t['steps']} step(s), "
     text += f"reused {t['reused']} ({size(t['reused_bytes'])})"
+    if t["held_back"]:
+        text += (f"; {t['held_back']} ({size(t['held_back_bytes'])}) held back: their graph's first "
+                 "execution could not donate them, and another donor set would compile it again")
     return text + (f", in flight {t['in_flight']}" if t["in_flight"] else "")
 
 

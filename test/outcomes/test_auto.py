@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch_xla
 import torch_xla.core.xla_model as xm
+import torch_xla.debug.metrics as met
 from helpers import buffer_ptr, materialize, run_python
 
 import torch_xla_donate as tdx
@@ -49,6 +50,7 @@ def _plain_values(dev):
 
 @contextlib.contextmanager
 def _auto(on=True):
+    auto._donor_sets.clear()  # each test's graphs decide their donor sets afresh
     old = tdx.configure(auto=on)
     try:
         yield
@@ -114,6 +116,39 @@ def test_a_loop_that_never_waits_reuses_every_dead_input(dev, context):
         tdx.settle()
     assert _armed() == (armed + steps * N, reused + steps * N)
     assert all(torch.equal(x.cpu(), e) for x, e in zip(xs, expected))
+
+
+def _compiles() -> int:
+    return (met.metric_data("CompileTime") or [0])[0]
+
+
+def test_auto_adds_no_compile_to_a_stable_loop(dev):
+    """Step 0 reads an input a name still holds; from step 1 on every input is dead.  The
+    graph's first execution decides its donor set, so auto compiles as often as the plain
+    loop, holding that one input back (and says so)."""
+
+    def run(auto_on, shape):
+        xs = list(materialize(*[torch.full(shape, float(i)).to(dev) for i in range(N)]))
+        keep = xs[0]  # noqa: F841 - held through step 0, as a module holds its parameters
+        compiles = _compiles()
+        with _auto(auto_on):
+            for _ in range(4):
+                xs = _update(xs)
+                torch_xla.sync()
+                xm.wait_device_ops()
+                tdx.settle()
+                keep = None
+        return _compiles() - compiles, [x.cpu() for x in xs]
+
+    plain_compiles, plain = run(False, (24, 40))
+    before = auto.totals()
+    auto_compiles, values = run(True, (40, 24))
+    after = auto.totals()
+    assert (plain_compiles, auto_compiles) == (1, 1)
+    assert after["armed"] - before["armed"] == 4 * (N - 1) == after["reused"] - before["reused"]
+    assert after["held_back"] - before["held_back"] == 3
+    assert all(torch.equal(v.reshape(-1), p.reshape(-1)) for v, p in zip(values, plain))
+    assert "held back" in auto.describe_totals()
 
 
 HOLDERS = {
