@@ -1,6 +1,8 @@
 """Right values on torch_xla's CPU backend: XLA:CPU's XNNPACK switched off before the
 runtime starts, or one ``StaleReadWarning`` at the first donation where it cannot be.
-Why, when the flag is added, and the states reported: docs/xnnpack.md."""
+Why, when the flag is added, and the states reported: docs/xnnpack.md.  With it, XLA:CPU's
+fusion emitters, whose parallel compile corrupts the heap when a compile with donated
+inputs fails (docs/lifecycle.md, "Failing steps")."""
 import functools
 import logging
 import mmap
@@ -19,6 +21,7 @@ __all__ = ["FLAG", "protect_at_import", "decide", "chosen_value", "flag_supporte
            "warning_due", "state", "describe"]
 
 FLAG = "--xla_cpu_use_xnnpack"
+COMPILE_FLAG = "--xla_cpu_use_fusion_emitters"
 KEEP_ENV = "TORCH_XLA_DONATE_CPU_XNNPACK"
 _log = logging.getLogger("torch_xla_donate")
 
@@ -26,6 +29,7 @@ _log = logging.getLogger("torch_xla_donate")
 _state = "none"
 _warned = False
 _final = False
+_compile_guard = False  # True once the import added COMPILE_FLAG=false
 _RELIES_ON_FLAGS = ("added", "re-added", "chosen")  # need XLA_FLAGS to say off at the start
 _MEANING = {
     "added": "XNNPACK off: the package added {flag}=false to XLA_FLAGS",
@@ -40,8 +44,8 @@ _MEANING = {
 }
 
 
-def chosen_value(xla_flags: str):
-    """What ``XLA_FLAGS`` sets the switch to (None: not mentioned); the last mention wins, as in XLA.
+def chosen_value(xla_flags: str, flag: str = FLAG):
+    """What ``XLA_FLAGS`` sets ``flag`` to (None: not mentioned); the last mention wins, as in XLA.
 
     >>> chosen_value("--xla_cpu_use_xnnpack=false --xla_dump_to=/tmp/d --xla_cpu_use_xnnpack")
     True
@@ -51,7 +55,7 @@ def chosen_value(xla_flags: str):
     value = None
     for token in xla_flags.split():
         name, _, text = token.partition("=")
-        if name == FLAG:
+        if name == flag:
             value = text.strip().lower() not in ("false", "0", "no", "off") if text else True
     return value
 
@@ -77,11 +81,11 @@ def decide(device: str, xla_flags: str, *, runtime_started: bool, supported: boo
     return "warn" if runtime_started or keep else "add"
 
 
-def flag_supported(xlac_path: str) -> bool:
-    """Whether the XLA in ``xlac_path`` knows the flag (an unknown one aborts XLA)."""
+def flag_supported(xlac_path: str, flag: str = FLAG) -> bool:
+    """Whether the XLA in ``xlac_path`` knows ``flag`` (an unknown one aborts XLA)."""
     try:
         with open(xlac_path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-            return m.find(FLAG[2:].encode() + b"\x00") >= 0
+            return m.find(flag[2:].encode() + b"\x00") >= 0
     except (OSError, ValueError):
         return False
 
@@ -104,7 +108,20 @@ def protect_at_import() -> str:
                   "leaves XLA_FLAGS alone).", FLAG, KEEP_ENV)
         decision = "added"
     _state = decision
+    _protect_compile_failures(device, keep=os.environ.get(KEEP_ENV, "").strip().lower() == "keep")
     return decision
+
+
+def _protect_compile_failures(device: str, keep: bool) -> None:
+    """Adds ``COMPILE_FLAG=false`` on XLA:CPU unless the user chose it, kept XLA_FLAGS, the
+    runtime started or this XLA lacks the flag (torch_xla 2.7)."""
+    global _compile_guard
+    flags = os.environ.get("XLA_FLAGS", "")
+    if (device.upper() != "CPU" or keep or chosen_value(flags, COMPILE_FLAG) is not None
+            or xla.runtime_started() or not flag_supported(xla._XLAC.__file__, COMPILE_FLAG)):
+        return
+    os.environ["XLA_FLAGS"] = f"{flags} {COMPILE_FLAG}=false".strip()
+    _compile_guard = True
 
 
 def recheck() -> str:
@@ -121,7 +138,9 @@ def recheck() -> str:
         if started:
             _state = "lost"
         else:
-            os.environ["XLA_FLAGS"] = f"{flags} {FLAG}=false".strip()
+            lost = _compile_guard and chosen_value(flags, COMPILE_FLAG) is None
+            added = f"{FLAG}=false" + (f" {COMPILE_FLAG}=false" if lost else "")
+            os.environ["XLA_FLAGS"] = f"{flags} {added}".strip()
             _log.info("XLA_FLAGS was replaced after torch_xla_donate was imported: added "
                       "%s=false again before torch_xla's runtime starts (put it in your "
                       "assignment to say so yourself).", FLAG)
@@ -154,7 +173,10 @@ state = recheck  # the reports' name for it
 
 def describe() -> str:
     """The state in words, for ``summary()`` and ``metrics_report()``."""
-    return _MEANING[state()].format(flag=FLAG)
+    text = _MEANING[state()].format(flag=FLAG)
+    if _compile_guard:
+        text += f"; fusion emitters off ({COMPILE_FLAG}=false): a failed compile cannot corrupt the heap"
+    return text
 
 
 def warn_if_unprotected() -> bool:

@@ -12,6 +12,9 @@ malloc checks to see the corruption at once:
 
 Measured on 2026-11-22 (torch_xla 2.9.0, XLA:CPU, 60 rounds): with donation
 4 runs of 4 abort ("free(): invalid pointer"); with ``--no-donate`` 0 of 4.
+On 2026-11-29, gdb put the abort in XLA:CPU's ``ParallelFusionEmitter::CompileFusion``
+(a worker thread): with ``XLA_FLAGS=--xla_cpu_use_fusion_emitters=false`` 0 runs of 3
+aborted, with donation on.  torch_xla_donate adds that flag at import on the CPU backend.
 In our test suite the same corruption also showed as a segfault inside XLA's
 CPU compiler (ParallelFusionEmitter teardown).  Without the malloc checks it
 crashes a later, unrelated step now and then (about one run in four of
