@@ -2,6 +2,7 @@
 import contextlib
 import gc
 import os
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -10,6 +11,17 @@ import warnings
 import torch
 import torch_xla
 import torch_xla.core.xla_model as xm
+
+REPO = pathlib.Path(__file__).resolve().parents[1]  # this checkout
+
+
+def child_env(**extra) -> dict:
+    """``os.environ`` for a child Python on the CPU backend that imports this checkout's
+    package (first on ``PYTHONPATH``, installed or not), with ``extra`` set."""
+    env = dict(os.environ, PJRT_DEVICE="CPU", **extra)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
+
 
 # -- tensor subclasses the kind tests donate -----------------------------------
 

@@ -7,7 +7,6 @@ in the old buffers (device pointers), the old buffers are consumed, the
 values equal a run without donation.
 """
 import contextlib
-import os
 import re
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import torch
 import torch_xla
 import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as met
-from helpers import buffer_ptr, materialize, run_python
+from helpers import buffer_ptr, child_env, materialize, run_python
 
 import torch_xla_donate as tdx
 from torch_xla_donate import _auto as auto
@@ -333,8 +332,7 @@ def test_python_m_advise_prints_the_table_for_a_script(tmp_path):
     script.write_text(_LINES.replace("with tdx.advise() as advice:", "if True:")
                       .replace('print("lines:", [e.line for e in advice.entries])', ""))
     proc = subprocess.run([sys.executable, "-m", "torch_xla_donate", "advise", str(script)],
-                          env=dict(os.environ, PJRT_DEVICE="CPU"),
-                          capture_output=True, text=True, timeout=300)
+                          env=child_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     line = next(i for i, text in enumerate(_LINES.splitlines(), 1) if "# LINE" in text)
     assert re.search(rf"3 +\[16, 16\] +float32 +{re.escape(str(script))}:{line}", proc.stderr), \
@@ -352,16 +350,10 @@ def test_python_m_advise_runs_a_script_as_python_would(tmp_path):
         "for _ in range(3):\n    x = double(x)\n    torch_xla.sync()\n"
         "assert x.cpu()[0, 0].item() == 8.0\nsys.exit(3)\n")
     proc = subprocess.run([sys.executable, "-m", "torch_xla_donate", "advise", "proj/run.py"],
-                          cwd=tmp_path, env=dict(os.environ, PJRT_DEVICE="CPU",
-                                                 PYTHONPATH=_package_root()),
+                          cwd=tmp_path, env=child_env(),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 3, proc.stderr
     assert "ModuleNotFoundError" not in proc.stderr and "step(s)" in proc.stderr, proc.stderr
-
-
-def _package_root():
-    import torch_xla_donate
-    return os.path.dirname(os.path.dirname(os.path.abspath(torch_xla_donate.__file__)))
 
 
 def _train(dev, on):

@@ -9,12 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torch_xla
-from helpers import buffer_ptr, materialize, settled_sync
+from helpers import buffer_ptr, child_env, materialize, settled_sync
 from torch.func import functional_call, grad_and_value
 
 import torch_xla_donate as tdx
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class _MLP(torch.nn.Module):
@@ -262,7 +260,7 @@ def test_torch_func_loops_under_load_never_refuse_or_drop(tmp_path):
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
             for _ in range(os.cpu_count() or 2)]
     try:
-        env = dict(os.environ, PJRT_DEVICE="CPU", PYTHONPATH=REPO)
+        env = child_env()
         proc = subprocess.run([sys.executable, str(script), str(steps)], env=env,
                               capture_output=True, text=True, timeout=1800)
     finally:

@@ -2,13 +2,13 @@
 one functional loop give the same values; both donating modes need one
 copy of the state less at peak than the plain one; the advisor lists the
 whole state."""
-import os
 import pathlib
 import re
 import subprocess
 import sys
 
 import pytest
+from helpers import child_env
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "auto_donation.py"
 MIB, TENSORS = 64, 4
@@ -16,9 +16,7 @@ MIB, TENSORS = 64, 4
 
 @pytest.fixture(scope="module")
 def output() -> str:
-    env = dict(os.environ, PJRT_DEVICE="CPU")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(EXAMPLE.parents[1]),
-                                                      env.get("PYTHONPATH")]))
+    env = child_env()
     proc = subprocess.run([sys.executable, str(EXAMPLE), "--mib", str(MIB), "--tensors",
                            str(TENSORS), "--steps", "3"],
                           env=env, capture_output=True, text=True, timeout=600)

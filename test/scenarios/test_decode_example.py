@@ -7,7 +7,6 @@ in their own processes: each measures its own peak memory, and they share the
 machine's two cores instead of queuing for them.
 """
 import importlib.util
-import os
 import pathlib
 import re
 import subprocess
@@ -15,6 +14,7 @@ import sys
 import warnings
 
 import pytest
+from helpers import child_env
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "decode_kv_cache.py"
 
@@ -38,9 +38,7 @@ MODES = {
 def _run(modes) -> dict:
     """Runs the example in each of ``modes`` at once, one process each:
     {mode: (stdout, stderr)}."""
-    env = dict(os.environ, PJRT_DEVICE="CPU")
-    # The package from this checkout, installed or not.
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(EXAMPLE.parents[1]), env.get("PYTHONPATH")]))
+    env = child_env()
     procs = {mode: subprocess.Popen([sys.executable, str(EXAMPLE), *ARGS, *MODES[mode]], env=env,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for mode in modes}

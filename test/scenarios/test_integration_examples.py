@@ -1,20 +1,18 @@
 """The scan and gradient-accumulation examples run, donate, and save memory."""
 import math
-import os
 import pathlib
 import re
 import subprocess
 import sys
 
 import pytest
+from helpers import child_env
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 
 
 def _run(name, *args) -> str:
-    env = dict(os.environ, PJRT_DEVICE="CPU")
-    # The package from this checkout, installed or not.
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(EXAMPLES.parent), env.get("PYTHONPATH")]))
+    env = child_env()
     proc = subprocess.run(
         [sys.executable, str(EXAMPLES / name), *args],
         env=env,

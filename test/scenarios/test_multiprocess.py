@@ -11,14 +11,12 @@ torch_xla on CPU: they hang in XLA's rendezvous with or without this package
 The device count is process-global: everything runs in one subprocess.
 """
 import json
-import os
-import pathlib
 import subprocess
 import sys
 
 import pytest
+from helpers import child_env
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
 STEPS = 6
 
 _CODE = r"""
@@ -91,9 +89,7 @@ def report(tmp_path_factory):
     # live in a script file run as __main__, not in ``python -c``.
     script = tmp_path_factory.mktemp("launch") / "launch_replicas.py"
     script.write_text(_CODE)
-    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="2")
-    # The package from this checkout, installed or not.
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env = child_env(CPU_NUM_DEVICES="2")
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"subprocess failed:\n{proc.stdout}\n{proc.stderr}"
     lines = proc.stdout.splitlines()

@@ -25,7 +25,6 @@ target is relative must name a file that exists, and a ``#anchor`` must be a
 heading of the target (GitHub's slugs).
 """
 import json
-import os
 import pathlib
 import re
 import subprocess
@@ -33,8 +32,8 @@ import sys
 from dataclasses import dataclass
 
 import pytest
+from helpers import REPO, child_env
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
 DOCS = sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").glob("*.md"))
 READMES = ["README.md", *DOCS, "benchmarks/README.md"]
 RUNNER = pathlib.Path(__file__).with_name("readme_runner.py")
@@ -282,7 +281,7 @@ def test_readme_block_runs_and_prints_what_it_says(block, tmp_path):
     path = tmp_path / "block.json"
     path.write_text(json.dumps(spec))
     proc = subprocess.run([sys.executable, str(RUNNER), str(path)], cwd=tmp_path,
-                          env=dict(os.environ, PJRT_DEVICE="CPU", PYTHONPATH=str(REPO)),
+                          env=child_env(),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (f"{block.id} failed:\n{proc.stdout[-3000:]}\n"
                                   f"{proc.stderr[-5000:]}")

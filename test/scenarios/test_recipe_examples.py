@@ -1,17 +1,17 @@
 """The examples the README's recipes point to and no other test runs: SPMD
 (always) and torchopt (where torchopt is installed; it is not a dependency)."""
-import os
 import pathlib
 import re
 import subprocess
 import sys
 
+from helpers import child_env
+
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 
 
 def _run(name, *args) -> str:
-    env = dict(os.environ, PJRT_DEVICE="CPU")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(EXAMPLES.parent), env.get("PYTHONPATH")]))
+    env = child_env()
     proc = subprocess.run([sys.executable, str(EXAMPLES / name), *args], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{name} failed:\n{proc.stdout}\n{proc.stderr}"
