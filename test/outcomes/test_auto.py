@@ -150,39 +150,6 @@ def test_auto_adds_no_compile_to_a_stable_loop(dev):
     assert "held back" in auto.describe_totals()
 
 
-HOLDERS = {
-    "a Python name": lambda x: x,
-    "an autograd graph": lambda x: (x * torch.ones_like(x).requires_grad_()).sum(),
-    "an optimizer": lambda x: torch.optim.SGD([torch.nn.Parameter(x)], lr=0.1),
-    "a view": lambda x: x[0],
-}
-
-
-@pytest.mark.parametrize("holder", list(HOLDERS))
-@pytest.mark.parametrize("advising", [False, True], ids=["auto", "advise"])
-def test_an_input_still_held_is_kept_and_not_listed(dev, holder, advising):
-    expected = _plain_values(dev)
-    xs = _fresh(dev)
-    kept_value = xs[0].cpu()
-    held = HOLDERS[holder](xs[0])
-    kept_ptr = buffer_ptr(xs[0])
-    armed, reused = _armed()
-    with (tdx.advise() if advising else _auto()) as advice:
-        box = [xs]
-        del xs
-        xs = _step(box, contextlib.nullcontext)
-    if advising:
-        assert sum(e.count for e in advice.entries) == N - 1
-        assert _armed() == (armed, reused)
-    else:
-        assert _armed() == (armed + N - 1, reused + N - 1)
-        assert kept_ptr not in {buffer_ptr(x) for x in xs}
-    assert all(torch.equal(x.cpu(), e) for x, e in zip(xs, expected))
-    assert held is not None
-    if holder == "a Python name":
-        assert torch.equal(held.cpu(), kept_value)
-
-
 def test_the_advisor_lists_without_donating(dev):
     xs = _fresh(dev)
     old = {buffer_ptr(x) for x in xs}
