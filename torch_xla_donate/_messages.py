@@ -259,6 +259,9 @@ def warn_records(category, template, records) -> None:
     the same line, which Python's filters then show once by default.
     """
     items = _describe(records)
+    if not records:  # about the step, not a mark (auto's search failed): at the user's line
+        warnings.warn(template.format(at_step="", items=items), category, stacklevel=user_stacklevel())
+        return
     if issubclass(category, Exception) and not issubclass(category, Warning):
         raise category(template.format(at_step=f" at step {records[0].step}", items=items))
     first = records[0]

@@ -150,6 +150,25 @@ def test_auto_adds_no_compile_to_a_stable_loop(dev):
     assert "held back" in auto.describe_totals()
 
 
+def test_a_failing_search_skips_the_step_with_a_warning_at_the_users_line(dev, monkeypatch):
+    """The step runs undonated and right; the warning names the sync, not the package."""
+
+    def broken(**kwargs):
+        raise RuntimeError("search broke")
+
+    expected = _plain_values(dev)
+    monkeypatch.setattr(auto.C, "find_dead_inputs", broken)
+    xs = _fresh(dev)
+    armed = _armed()
+    with _auto(), pytest.warns(tdx.DroppedDonationWarning, match="search broke") as caught:
+        box = [xs]
+        del xs
+        xs = _step(box, contextlib.nullcontext)
+    assert _armed() == armed
+    assert all(torch.equal(x.cpu(), e) for x, e in zip(xs, expected))
+    assert caught[0].filename == __file__, caught[0].filename
+
+
 def test_the_advisor_lists_without_donating(dev):
     xs = _fresh(dev)
     old = {buffer_ptr(x) for x in xs}
