@@ -16,7 +16,7 @@ import torch
 from . import _config as config
 from . import _guards as guards
 from . import _xla as xla
-from ._messages import size
+from ._messages import size, user_stacklevel
 from ._native import C
 from .errors import AutoDonationUnavailableError, AutoDonationUnavailableWarning
 
@@ -75,23 +75,30 @@ def prepare(force: bool = False) -> None:
     """Outside any commit, once, if auto or an advisor is on: decides the guards on a sample
     tensor of the plugin's own (an upload: no graph)."""
     wanted = force or advisors or config.auto()
-    if _state["prepared"] or not wanted or C.lock.depth > 0:
-        return
+    if _state["prepared"] or not wanted or C.lock.depth > 0 or _unsupported():
+        return  # where auto cannot run, the user's own first mark decides the guards
     _state["prepared"] = True
     guards.decide(torch.arange(4.0).to(xla.default_device()))
     config.refresh()
 
 
-def unavailable() -> str | None:
-    """Why dead inputs cannot be found here, or None."""
-    if not guards.decided():
-        return "native reads not decided yet"
-    if guards.state("reads") != "native reads":
-        return f"native reads are off: {guards.state('reads')}"
+def _unsupported() -> str | None:
     if xla.spmd():
         return "SPMD is on (sharded buffers are not looked at)"
     if xla.local_device_count() > 1:
         return "more than one device in this process"
+    return None
+
+
+def unavailable() -> str | None:
+    """Why dead inputs cannot be found here, or None."""
+    why = _unsupported()
+    if why:
+        return why
+    if not guards.decided():
+        return "native reads not decided yet"
+    if guards.state("reads") != "native reads":
+        return f"native reads are off: {guards.state('reads')}"
     if not xla.walk_in_use():
         return f"torch_xla's live-tensor registry walk is {guards.state('walk')}"
     return None
@@ -112,7 +119,7 @@ def at_commit(device):
         if not advisors and not _state["warned"]:
             _state["warned"] = True
             message = f"TORCH_XLA_DONATE_AUTO / configure(auto=True) does nothing: {why}"
-            warnings.warn(message, AutoDonationUnavailableWarning, stacklevel=2)
+            warnings.warn(message, AutoDonationUnavailableWarning, stacklevel=user_stacklevel())
         return None
     found = C.find_dead_inputs(describe=bool(advisors))
     if found.blocked:

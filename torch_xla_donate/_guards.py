@@ -9,7 +9,7 @@ from torch.utils import _python_dispatch
 from . import _xla as xla
 from ._native import C
 
-__all__ = ["decide", "decided", "state", "CORRUPT"]
+__all__ = ["decide", "decided", "state", "holds_no_device_data", "CORRUPT"]
 
 # Test hook: a LazyFacts field whose native answer the reads' guard gets wrong (flipped, or + 1).
 CORRUPT = None
@@ -68,9 +68,16 @@ def state(name: str, switches=None) -> str:
     return f"off ({why[len(_WHAT[name]) + 2:]})" if name == failed else _PASSED[name]
 
 
+def holds_no_device_data(t) -> bool:
+    """An XLA tensor of the type the reads know whose read declines: host data, not uploaded."""
+    return xla.is_xla_tensor(t) and C.lazy_learn(t) == "" and C.lazy_facts(t, force=True) is None
+
+
 def _can_serve(t) -> bool:
+    """A plain XLA tensor outside dispatch modes that holds device data or IR (under SPMD an
+    upload holds host data until the next sync: the read declines it, as it should)."""
     return (xla.is_xla_tensor(t) and _python_dispatch._get_current_dispatch_mode() is None
-            and C.lazy_learn(t) == "")
+            and C.lazy_learn(t) == "" and C.lazy_facts(t, force=True) is not None)
 
 
 # Each guard returns None when it passes, else why not.

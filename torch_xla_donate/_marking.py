@@ -151,6 +151,8 @@ def _resolve(tensor, refusal) -> bool:
             raise ValueError(messages.HELD.format(tensor=messages.describe(tensor), why=why))
         return True
     else:  # and UNDECIDED when the guards failed
+        if refusal == R.UNDECIDED and guards.holds_no_device_data(tensor):
+            refusal = R.PENDING  # an upload under SPMD, not synced yet: "sync first"
         error = TypeError if refusal in (R.NOT_TENSOR, R.WRAPPER) else ValueError
         raise error(messages.refusal(tensor, refusal))
     return False

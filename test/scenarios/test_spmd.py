@@ -286,3 +286,46 @@ def test_scan_and_gradient_accumulation_with_sharded_state(spmd):
     assert out["scan"] == {"deleted": True, "value_ok": True}
     ga = out["grad_acc"]
     assert ga["deleted"] is True and ga["loss"] > 0 and ga["param_refused"] is True
+
+
+_WITH_AUTO = r"""
+import warnings
+import numpy as np
+import torch, torch_xla, torch_xla.core.xla_model as xm
+import torch_xla.runtime as xr
+import torch_xla.distributed.spmd as xs
+xr.use_spmd()
+import torch_xla_donate as tdx
+from torch_xla_donate import _guards
+dev = torch_xla.device()
+n = xr.global_runtime_device_count()
+mesh = xs.Mesh(np.arange(n), (n, 1), ("data", "model"))
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    up = torch.ones(64, 48).to(dev)  # host data until the next sync under SPMD
+    try:
+        tdx.donate_buffer(up)
+        print("unsynced upload: marked")
+    except ValueError as e:
+        print("unsynced upload:", "sync first" if "torch_xla.sync()) first" in str(e) else str(e))
+    p = torch.ones(64, 48).to(dev)
+    xs.mark_sharding(p, mesh, ("data", None))
+    torch_xla.sync(); xm.wait_device_ops()  # AUTO LINE: the first barrier
+    tdx.donate_buffer(p)
+    q = p * 2 + 1
+    torch_xla.sync(); xm.wait_device_ops()
+print("reads:", _guards.state("reads"), "donated:", tdx.is_deleted(p), "q:", q.cpu()[0, 0].item())
+print("warned:", [(w.category.__name__, w.lineno) for w in caught])
+"""
+
+
+def test_auto_on_leaves_explicit_donation_working_and_says_why_it_does_nothing():
+    """Auto cannot run under SPMD: it says so once, at the user's sync, and never decides the
+    reads on a sample of its own (an upload holds host data there, which the reads decline:
+    that switched donation off for the process).  An unsynced upload marked first gets the
+    "sync first" error, and leaves donation on."""
+    out = run_python(_WITH_AUTO, env={"CPU_NUM_DEVICES": "4", "TORCH_XLA_DONATE_AUTO": "1"}).stdout
+    line = next(i for i, text in enumerate(_WITH_AUTO.splitlines(), 1) if "# AUTO LINE" in text)
+    assert "unsynced upload: sync first" in out, out
+    assert "reads: native reads donated: True q: 3.0" in out, out
+    assert f"warned: [('AutoDonationUnavailableWarning', {line})]" in out, out
