@@ -60,9 +60,8 @@ def clean_ledger():
 # graph has donated buffers fails to compile: with torch_xla's own
 # ``_set_buffer_donation``, without this plugin
 # (tools/repros/compile_error_with_donation.py).  The corruption shows up
-# later, as a crash of whatever test runs next.  The import now switches the
-# emitters that do it off (_xla_cpu.py); these tests keep their own process
-# for torch_xla 2.7, whose XLA lacks the switch, and for XLA_FLAGS users set.  Tests that provoke
+# later, as a crash of whatever test runs next (XLA:CPU's fusion emitters,
+# which the import switches off only with auto on: _xla_cpu.py).  Tests that provoke
 # such a failure carry ``@pytest.mark.own_process``: they run in a fresh
 # interpreter, and pass only if it passes them.
 

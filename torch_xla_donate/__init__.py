@@ -18,9 +18,12 @@ from . import _native, _xla_cpu  # noqa: F401  (_native first: the release and b
 _xla_cpu.protect_at_import()
 _xla_cpu.watch_runtime_start()
 
-from . import _hooks, errors, report  # noqa: E402
+from . import _config, _hooks, errors, report  # noqa: E402
 from ._auto import Advice, advise  # noqa: E402
 from ._config import configure  # noqa: E402
+
+if _config.auto():  # every step with dead inputs armed: no failed compile may corrupt the heap
+    _xla_cpu.protect_compile_failures()
 from ._donating import donating  # noqa: E402
 from ._marking import donate_buffer, is_deleted, is_donated  # noqa: E402
 from ._trees import donate, undonate  # noqa: E402

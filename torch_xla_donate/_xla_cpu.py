@@ -1,8 +1,8 @@
 """Right values on torch_xla's CPU backend: XLA:CPU's XNNPACK switched off before the
 runtime starts, or one ``StaleReadWarning`` at the first donation where it cannot be.
-Why, when the flag is added, and the states reported: docs/xnnpack.md.  With it, XLA:CPU's
-fusion emitters, whose parallel compile corrupts the heap when a compile with donated
-inputs fails (docs/lifecycle.md, "Failing steps")."""
+Why, when the flag is added, and the states reported: docs/xnnpack.md.  With auto on from the
+import, also XLA:CPU's fusion emitters, whose parallel compile corrupts the heap when a compile
+with donated inputs fails (docs/lifecycle.md, "Failing steps")."""
 import functools
 import logging
 import mmap
@@ -16,8 +16,8 @@ from ._messages import user_stacklevel
 from ._native import release
 from .errors import StaleReadWarning
 
-__all__ = ["FLAG", "protect_at_import", "decide", "chosen_value", "flag_supported",
-           "on_by_default", "recheck", "watch_runtime_start", "warn_if_unprotected",
+__all__ = ["FLAG", "COMPILE_FLAG", "protect_at_import", "protect_compile_failures", "decide",
+           "chosen_value", "flag_supported", "on_by_default", "recheck", "watch_runtime_start", "warn_if_unprotected",
            "warning_due", "state", "describe"]
 
 FLAG = "--xla_cpu_use_xnnpack"
@@ -108,14 +108,16 @@ def protect_at_import() -> str:
                   "leaves XLA_FLAGS alone).", FLAG, KEEP_ENV)
         decision = "added"
     _state = decision
-    _protect_compile_failures(device, keep=os.environ.get(KEEP_ENV, "").strip().lower() == "keep")
     return decision
 
 
-def _protect_compile_failures(device: str, keep: bool) -> None:
-    """Adds ``COMPILE_FLAG=false`` on XLA:CPU unless the user chose it, kept XLA_FLAGS, the
-    runtime started or this XLA lacks the flag (torch_xla 2.7)."""
+def protect_compile_failures() -> None:
+    """With auto on from the import: adds ``COMPILE_FLAG=false`` on XLA:CPU unless the user
+    chose it, kept XLA_FLAGS, the runtime started or this XLA lacks the flag (torch_xla 2.7).
+    Not for explicit donation alone: the emitters' absence changes a donated step's rounding."""
     global _compile_guard
+    device = os.environ.get("PJRT_DEVICE", "")
+    keep = os.environ.get(KEEP_ENV, "").strip().lower() == "keep"
     flags = os.environ.get("XLA_FLAGS", "")
     if (device.upper() != "CPU" or keep or chosen_value(flags, COMPILE_FLAG) is not None
             or xla.runtime_started() or not flag_supported(xla._XLAC.__file__, COMPILE_FLAG)):

@@ -278,8 +278,13 @@ def test_failed_compiles_with_donors_leave_the_heap_whole():
     every fourth round), 100 rounds under glibc's malloc checks.  XLA:CPU's parallel fusion
     emitter corrupts the heap there: with ``--xla_cpu_use_fusion_emitters=true`` 5 of 5 runs
     died (SIGSEGV, or SIGABRT "free(): invalid pointer" in ``ParallelFusionEmitter::
-    CompileFusion``; 2026-11-29).  The import switches the emitters off where XLA knows the flag."""
-    proc = run_python(_FAILING_COMPILES, env={"LD_PRELOAD": _malloc_debug(), "MALLOC_CHECK_": "3"})
+    CompileFusion``; 2026-11-29).  With auto on from the import, the import switches the
+    emitters off where XLA knows the flag; without it, it leaves them on (bit-equal rounding)."""
+    proc = run_python(_FAILING_COMPILES, env={"LD_PRELOAD": _malloc_debug(), "MALLOC_CHECK_": "3",
+                                              "TORCH_XLA_DONATE_AUTO": "1"})
     assert "failed: 100" in proc.stdout, proc.stdout
     knows = xla_cpu.flag_supported(torch_xla._XLAC.__file__, xla_cpu.COMPILE_FLAG)
     assert (f"{xla_cpu.COMPILE_FLAG}=false" in proc.stdout) == knows, proc.stdout
+    plain = run_python("import os, torch_xla_donate\nprint(os.environ.get('XLA_FLAGS', ''))",
+                       env={"TORCH_XLA_DONATE_AUTO": "0"})
+    assert xla_cpu.COMPILE_FLAG not in plain.stdout, plain.stdout
