@@ -17,8 +17,8 @@ from ._native import release
 from .errors import StaleReadWarning
 
 __all__ = ["FLAG", "COMPILE_FLAG", "protect_at_import", "protect_compile_failures", "decide",
-           "chosen_value", "flag_supported", "on_by_default", "recheck", "watch_runtime_start", "warn_if_unprotected",
-           "warning_due", "state", "describe"]
+           "chosen_value", "flag_supported", "on_by_default", "recheck", "watch_runtime_start",
+           "warn_if_unprotected", "warning_due", "state", "describe"]
 
 FLAG = "--xla_cpu_use_xnnpack"
 COMPILE_FLAG = "--xla_cpu_use_fusion_emitters"
