@@ -172,13 +172,14 @@ def _same_donors(graph: str, indices) -> list:
     return [i in first for i in indices]
 
 
-def after_graph(token, alone: bool) -> None:
+def after_graph(token, step: int) -> None:
     """Once the execution's graph is built: disarm, and keep the buffers until their verdict.
-    ``alone``: the step donated nothing explicitly (the ledger did not count it)."""
+    A ``step`` the ledger did not count (no explicit donor) counts as one of auto's alone."""
     if token is None:
         return
     found, inputs, device = token
     xla.set_unheld_flags(device, found.point, len(inputs), False)
+    alone = C.step_stats(step) is None
     with _lock:
         _totals["steps"] += 1
         _totals["steps_alone"] += alone

@@ -238,7 +238,7 @@ def barrier_after(token, result, error):
             return result
         verdicts.dispatched(token.device, token.step if token.wait else token.step - 1)
         finish(token.device, token.donors, token.notices, certain=token.wait)
-        auto.after_graph(token.auto, alone=C.step_stats(token.step) is None)
+        auto.after_graph(token.auto, token.step)
         return result
     finally:
         lock.release()
